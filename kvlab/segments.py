@@ -1,0 +1,246 @@
+"""Segment arithmetic: which contiguous byte runs moving some blocks or tokens touches.
+
+A copy engine that issues one copy per contiguous run pays a fixed cost per run, so the
+number of runs (and their size) is what separates a cheap layout from an expensive one.
+Runs of one backing tensor that touch are merged; separate tensors never merge.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import dataclass
+from math import prod
+from typing import Any, Sequence
+
+import torch
+
+from kvlab.geometry import ModelGeometry
+from kvlab.layouts import Layout, allocations, get_layout
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Contiguous byte runs, each as (backing tensor index, byte offset in it, length)."""
+
+    tensor: torch.Tensor
+    start: torch.Tensor
+    length: torch.Tensor
+
+    @property
+    def count(self) -> int:
+        return int(self.length.numel())
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.length.sum())
+
+    @property
+    def size_counts(self) -> dict[int, int]:
+        """Segment size in bytes -> how many segments have it, largest first."""
+        counts = Counter(self.length.tolist())
+        return dict(sorted(counts.items(), reverse=True))
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "segments": self.count,
+            "bytes": self.total_bytes,
+            "segment_sizes": self.size_counts,
+            "mean_segment_bytes": self.total_bytes / self.count if self.count else 0,
+        }
+
+
+def check_block_ids(block_ids: Sequence[int], num_blocks: int) -> list[int]:
+    """Block ids as a list of ints, refusing out-of-range and duplicated ids."""
+    ids = [int(b) for b in block_ids]
+    bad = [b for b in ids if not 0 <= b < num_blocks]
+    if bad:
+        raise ValueError(f"block ids {bad[:8]} out of range: the cache has blocks 0..{num_blocks - 1}")
+    dup = sorted(b for b, c in Counter(ids).items() if c > 1)
+    if dup:
+        raise ValueError(f"block ids {dup[:8]} appear more than once; each block moves once")
+    return ids
+
+
+def scattered_block_ids(count: int, num_blocks: int, seed: int = 0) -> list[int]:
+    """``count`` block ids, no two adjacent, in a seeded random order: the worst case."""
+    if 2 * count - 1 > num_blocks:
+        raise ValueError(f"{count} non-adjacent blocks need at least {2 * count - 1} blocks, got {num_blocks}")
+    rng = random.Random(seed)
+    picks = sorted(rng.sample(range(num_blocks - count + 1), count))
+    ids = [p + i for i, p in enumerate(picks)]
+    rng.shuffle(ids)
+    return ids
+
+
+def contiguous_block_ids(count: int, start: int = 0) -> list[int]:
+    """``count`` consecutive block ids: the best case."""
+    return list(range(start, start + count))
+
+
+def token_spans(block_table: Sequence[int], start: int, end: int, block_size: int) -> list[tuple[int, int, int]]:
+    """(block id, first token, end token) inside each block for tokens [start, end)."""
+    if not 0 <= start < end:
+        raise ValueError(f"token range [{start}, {end}) is empty or negative")
+    if end > len(block_table) * block_size:
+        raise ValueError(
+            f"token range [{start}, {end}) needs {-(-end // block_size)} blocks, "
+            f"the block table has {len(block_table)}"
+        )
+    spans = []
+    for index in range(start // block_size, -(-end // block_size)):
+        first = max(start - index * block_size, 0)
+        last = min(end - index * block_size, block_size)
+        spans.append((int(block_table[index]), first, last))
+    return spans
+
+
+def span_segments(
+    layout: str | Layout,
+    geometry: ModelGeometry,
+    num_blocks: int,
+    spans: Sequence[tuple[int, int, int]],
+) -> Segments:
+    """Merged byte runs that the tokens ``spans`` (block id, first, end) touch in every layer."""
+    layout = get_layout(layout)
+    check_block_ids([b for b, _, _ in spans], num_blocks)
+    if spans:
+        blocks = torch.cat([torch.full((e - s,), b, dtype=torch.int64) for b, s, e in spans])
+        tokens = torch.cat([torch.arange(s, e, dtype=torch.int64) for _, s, e in spans])
+    else:
+        blocks = tokens = torch.empty(0, dtype=torch.int64)
+    itemsize = geometry.itemsize
+    tensors, starts, lengths = [], [], []
+    for index, alloc in enumerate(allocations(layout, geometry, num_blocks)):
+        axes, strides = alloc.axes, alloc.strides
+        inner = max(axes.index("B"), axes.index("N"))
+        run = prod(alloc.sizes[inner + 1:]) * itemsize
+        offsets = torch.zeros(1, dtype=torch.int64)
+        for axis, size, stride in zip(axes[: inner + 1], alloc.sizes, strides):
+            if axis not in "BN":
+                offsets = (offsets[:, None] + torch.arange(size) * stride).flatten()
+        picked = blocks * strides[axes.index("B")] + tokens * strides[axes.index("N")]
+        run_starts = ((offsets[:, None] + picked[None, :]).flatten() * itemsize).sort().values
+        seg_start, seg_len = _merge(run_starts, run)
+        tensors.append(torch.full_like(seg_start, index))
+        starts.append(seg_start)
+        lengths.append(seg_len)
+    return Segments(torch.cat(tensors), torch.cat(starts), torch.cat(lengths))
+
+
+def _merge(sorted_starts: torch.Tensor, run: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge equal-length runs at sorted offsets where one ends where the next begins."""
+    if sorted_starts.numel() == 0:
+        return sorted_starts, sorted_starts
+    new = torch.ones_like(sorted_starts, dtype=torch.bool)
+    new[1:] = sorted_starts[1:] != sorted_starts[:-1] + run
+    first = new.nonzero().flatten()
+    last = torch.cat([first[1:] - 1, torch.tensor([sorted_starts.numel() - 1])])
+    return sorted_starts[first], sorted_starts[last] + run - sorted_starts[first]
+
+
+def block_segments(layout: str | Layout, geometry: ModelGeometry, num_blocks: int, block_ids: Sequence[int]) -> Segments:
+    """Merged byte runs that moving whole blocks ``block_ids`` (all layers) touches."""
+    bs = geometry.block_size
+    return span_segments(layout, geometry, num_blocks, [(b, 0, bs) for b in block_ids])
+
+
+def token_segments(
+    layout: str | Layout,
+    geometry: ModelGeometry,
+    num_blocks: int,
+    block_table: Sequence[int],
+    start: int,
+    end: int,
+) -> Segments:
+    """Merged byte runs that moving tokens [start, end) of a request touches."""
+    return span_segments(layout, geometry, num_blocks, token_spans(block_table, start, end, geometry.block_size))
+
+
+def transfer_cost(
+    layout: str | Layout,
+    geometry: ModelGeometry,
+    tokens: int,
+    *,
+    block_ids: str | Sequence[int] = "scattered",
+    num_blocks: int | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """What moving the first ``tokens`` tokens of a request costs: bytes and segments.
+
+    ``block_ids`` is the request's block table, or ``"scattered"`` (seeded, no two
+    adjacent) or ``"contiguous"``.
+    """
+    layout = get_layout(layout)
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
+        raise ValueError(f"tokens must be a positive integer, got {tokens!r}")
+    needed = -(-tokens // geometry.block_size)
+    num_blocks = num_blocks or max(4 * needed, 64)
+    if layout.is_chunk_format:
+        # A stored chunk holds exactly these tokens, in order.
+        block_ids, num_blocks = "chunk", needed
+        table = contiguous_block_ids(needed)
+    elif block_ids == "scattered":
+        table = scattered_block_ids(needed, num_blocks, seed)
+    elif block_ids == "contiguous":
+        table = contiguous_block_ids(needed)
+    elif isinstance(block_ids, str):
+        raise ValueError(f"block_ids must be 'scattered', 'contiguous' or a list of ids, got {block_ids!r}")
+    else:
+        table = check_block_ids(block_ids, num_blocks)
+    segments = token_segments(layout, geometry, num_blocks, table, 0, tokens)
+    return {
+        "layout": layout.name,
+        "tokens": tokens,
+        "blocks": needed,
+        "num_blocks": num_blocks,
+        "block_ids": block_ids if isinstance(block_ids, str) else "given",
+        "bytes_moved": tokens * geometry.token_bytes,
+        **segments.summary(),
+    }
+
+
+def sweep(
+    layouts: Sequence[str | Layout],
+    geometry: ModelGeometry,
+    tokens: Sequence[int],
+    block_sizes: Sequence[int],
+    block_ids: str = "scattered",
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """transfer_cost for every layout x block size x token count, as rows."""
+    rows = []
+    for layout in layouts:
+        for block_size in block_sizes:
+            sized = geometry.with_(block_size=block_size)
+            for count in tokens:
+                rows.append({"block_size": block_size, **transfer_cost(layout, sized, count, block_ids=block_ids, seed=seed)})
+    return rows
+
+
+def layout_table(layouts: Sequence[str | Layout], geometry: ModelGeometry, num_blocks: int = 8) -> list[dict[str, Any]]:
+    """The stride table: how each layout hands a layer to a connector, and what a block costs."""
+    from kvlab.layouts import allocate, check_compatible
+
+    rows = []
+    for layout in map(get_layout, layouts):
+        try:
+            check_compatible(layout, geometry)
+        except ValueError:
+            continue
+        cache = allocate(layout, geometry, num_blocks, device="meta")
+        first = list(cache.layers.values())[:2]
+        views = [v if isinstance(v, tuple) else (v,) for v in first]
+        one_block = block_segments(layout, geometry, num_blocks, [1])
+        rows.append({
+            "layout": layout.name,
+            "family": layout.family,
+            "tensors": len(cache.storage),
+            "layer view shape": " | ".join(str(tuple(t.shape)) for t in views[0]),
+            "layer view strides": " | ".join(str(t.stride()) for t in views[0]),
+            "layer 1 offset": views[1][0].storage_offset() if len(views) > 1 else None,
+            "cross-layer": layout.is_cross_layer,
+            "runs per block": one_block.count,
+            "run bytes": one_block.total_bytes // one_block.count,
+        })
+    return rows

@@ -1,0 +1,3 @@
+import os
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -1,0 +1,32 @@
+"""Every notebook runs headless in quick mode (what CI runs), writing its figures."""
+
+import pytest
+
+from kvlab.notebooks import notebook_paths, run_notebooks
+
+
+@pytest.mark.parametrize("path", notebook_paths(), ids=lambda p: p.stem)
+def test_notebook_runs(path, tmp_path):
+    import nbformat
+
+    (executed,) = run_notebooks(quick=True, only=[path.stem], out=tmp_path)
+    notebook = nbformat.read(executed, as_version=4)
+    errors = [o for c in notebook.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors
+    assert list((tmp_path / "figures").glob(f"{path.stem[:2]}_*.png"))
+
+
+def test_unknown_notebook():
+    with pytest.raises(ValueError, match="no notebook"):
+        notebook_paths(["99_nothing"])
+
+
+def test_explorer_widget_updates():
+    pytest.importorskip("ipywidgets")
+    from kvlab.explorer import explore
+
+    box = explore()
+    controls = box.children[0].children
+    model, layout_a = controls[0], box.children[1].children[0]
+    model.value = "deepseek-v2-lite"
+    assert "flash_attn_v0.12" not in layout_a.options and "mla_v0.12" in layout_a.options
