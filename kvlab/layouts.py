@@ -28,7 +28,6 @@ import torch
 from kvlab.geometry import ModelGeometry
 
 AXES = "LBSNHD"
-AXIS_NAMES = {"L": "layer", "B": "block", "S": "part", "N": "token", "H": "head", "D": "dim"}
 
 
 @dataclass(frozen=True)
@@ -84,6 +83,7 @@ class Layout:
             "shape": self.shape_text,
             "physical_order": self.order,
             "cross_layer": self.is_cross_layer,
+            "layer_compact": self.is_layer_compact,
             "tuple": self.is_tuple,
             "requires": self.requires or "any",
             "backends": self.backends,
@@ -326,7 +326,7 @@ def get_layout(name: str | Layout) -> Layout:
 def check_compatible(layout: str | Layout, geometry: ModelGeometry) -> None:
     """Refuse a layout that cannot hold this geometry's KV (e.g. MLA in a K/V-split layout)."""
     layout = get_layout(layout)
-    if geometry.is_mla and (layout.requires == "kv" or not (layout.packs_parts or layout.is_tuple)):
+    if geometry.is_mla and not _fits_mla(layout):
         raise ValueError(
             f"layout {layout.name} keeps K and V apart, but {geometry.name} is MLA (one latent "
             f"per token); MLA-capable layouts: {[n for n, l in LAYOUTS.items() if _fits_mla(l)]}"

@@ -177,6 +177,36 @@ def save_figure(fig: plt.Figure, name: str, figures_dir: str | Path, formats: Se
     paths = []
     for fmt in formats:
         path = figures_dir / f"{name}.{fmt}"
-        fig.savefig(path, dpi=150, bbox_inches="tight", metadata={"Date": None} if fmt == "svg" else None)
+        # A fixed SVG id salt and no dates: the same data gives the same bytes (clean git diffs).
+        with plt.rc_context({"svg.hashsalt": "kvlab"}):
+            fig.savefig(path, dpi=150, bbox_inches="tight",
+                        metadata={"svg": {"Date": None}, "pdf": {"CreationDate": None}}.get(fmt))
         paths.append(path)
     return paths
+
+
+def segments_by_layout(rows: Sequence[dict], title: str = "") -> plt.Figure:
+    """Segments (bars, log scale) and segment size (label) for every layout in ``rows``,
+    one bar per block size. ``rows`` are kvlab.segments.sweep rows for one token count."""
+    layouts = list(dict.fromkeys(r["layout"] for r in rows))
+    sizes = sorted({r["block_size"] for r in rows})
+    by_key = {(r["layout"], r["block_size"]): r for r in rows}
+    height = 0.8 / len(sizes)
+    fig, ax = plt.subplots(figsize=(9, 0.32 * len(layouts) * len(sizes) + 1.2))
+    for i, block_size in enumerate(sizes):
+        ys = np.arange(len(layouts)) + i * height
+        values = [by_key[(name, block_size)]["segments"] for name in layouts]
+        bars = ax.barh(ys, values, height=height, label=f"block size {block_size}")
+        for bar, name in zip(bars, layouts):
+            row = by_key[(name, block_size)]
+            ax.annotate(f" {row['segments']} x {human_bytes(row['mean_segment_bytes'])}",
+                        (bar.get_width(), bar.get_y() + bar.get_height() / 2), va="center", fontsize=7)
+    ax.set_yticks(np.arange(len(layouts)) + height * (len(sizes) - 1) / 2, layouts, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlim(0.8, 20 * max(r["segments"] for r in rows))
+    ax.set_xlabel("contiguous segments (log)")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return fig

@@ -31,3 +31,18 @@ def test_segment_scaling(tmp_path):
     rows = sweep(["LBHNC", "BLHNC"], preset("qwen3-8b"), [16, 64, 256], [16, 32])
     fig = segment_scaling(rows, "qwen3")
     assert len(fig.axes[0].lines) == 4
+
+
+def test_segments_by_layout():
+    from kvlab.plotting import segments_by_layout
+
+    rows = sweep(["LBHNC", "BLHNC", "flash_attn_v0.12"], preset("llama-3.1-8b"), [256], [16, 64])
+    fig = segments_by_layout(rows, "llama")
+    assert len(fig.axes[0].patches) == 6
+
+
+def test_saved_figures_are_reproducible(tmp_path):
+    small = miniature(preset("smollm2-135m"))
+    first = [p.read_bytes() for p in save_figure(memory_map(["BLHNC"], small), "a", tmp_path, ("png", "svg", "pdf"))]
+    second = [p.read_bytes() for p in save_figure(memory_map(["BLHNC"], small), "b", tmp_path, ("png", "svg", "pdf"))]
+    assert first == second
