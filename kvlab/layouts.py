@@ -274,7 +274,8 @@ def vllm_layout(version: str, backend: str, kv_layout: str | None = None, cross_
     ``kv_layout`` is VLLM_KV_CACHE_LAYOUT: NHD/HND before 0.29, a KVCacheLayout name (or
     NHD/HND as its aliases) from 0.29 on; by default the release's default (NHD, then
     LBNHC; LBHNC on CPU). ``cross_layer`` asks for 0.12-0.28's
-    register_cross_layers_kv_cache path, or a block-outermost layout from 0.29 on.
+    register_cross_layers_kv_cache path, or a block-outermost layout from 0.29 on (where
+    every GPU backend takes all six layouts, bar FlashInfer on SM100: LBHNC and BLHNC).
     """
     try:
         major, minor = (int(p) for p in version.split(".")[:2])
@@ -523,3 +524,21 @@ def allocate_chunk(
             f"LMCache needs whole blocks per chunk (e.g. {geometry.block_size * max(1, chunk_size // geometry.block_size)})"
         )
     return allocate(layout, geometry, chunk_size // geometry.block_size, device)
+
+
+def vllm_history(versions: list[str], backends: tuple[str, ...] = tuple(_BACKEND_RELEASES)) -> dict[str, dict[str, str]]:
+    """backend -> release -> the default per-layer layout, marked "+ cross" where that
+    release could also hand a connector a cross-layer cache."""
+    table: dict[str, dict[str, str]] = {}
+    for backend in backends:
+        for version in versions:
+            layout = vllm_layout(version, backend)
+            cross = False
+            for kv_layout in (None, "BLNHC"):
+                try:
+                    vllm_layout(version, backend, kv_layout, cross_layer=True)
+                    cross = True
+                except ValueError:
+                    pass
+            table.setdefault(backend, {})[version] = layout.name + (" + cross" if cross else "")
+    return table

@@ -210,3 +210,27 @@ def segments_by_layout(rows: Sequence[dict], title: str = "") -> plt.Figure:
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def atlas(
+    layouts: Sequence[str | Layout],
+    geometry: ModelGeometry,
+    by: str = "layer",
+    num_blocks: int = 6,
+    moved_blocks: Sequence[int] = (1, 4),
+    columns: int = 6,
+) -> plt.Figure:
+    """Every layout on one page, coloured by one property: the whole atlas at a glance."""
+    layouts = [get_layout(layout) for layout in layouts]
+    rows = -(-len(layouts) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(2.4 * columns + 1, 2.5 * rows), squeeze=False)
+    for ax, layout in zip(axes.flat, layouts):
+        draw_memory_map(ax, layout, geometry, num_blocks, by, moved_blocks)
+        ax.set_title(ax.get_title(), fontsize=7)
+    for ax in list(axes.flat)[len(layouts):]:
+        ax.axis("off")
+    axes[0, -1].legend(handles=_legend(by, geometry, num_blocks), loc="upper left",
+                       bbox_to_anchor=(1.02, 1.0), fontsize=7, frameon=False)
+    fig.suptitle(f"{geometry.name}: every layout, coloured by {by}; blocks {list(moved_blocks)} moved", fontsize=10)
+    fig.tight_layout()
+    return fig

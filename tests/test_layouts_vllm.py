@@ -117,3 +117,13 @@ def test_vllm_layout_lookup_errors():
         vllm_layout("latest", "FLASH_ATTN")
     assert vllm_layout("0.33.0", "FLASH_ATTN", "NHD").name == "LBNHC"
     assert vllm_layout("0.20", "FLASH_ATTN", "HND", cross_layer=True).name == "flash_attn_v0.12_hnd_cross"
+
+
+def test_history_table():
+    from kvlab.layouts import vllm_history
+
+    table = vllm_history(["0.12", "0.20", "0.26", "0.32"])
+    assert table["FLASH_ATTN"]["0.20"] == "flash_attn_v0.12 + cross"
+    assert table["TRITON_ATTN"]["0.12"] == "flashinfer_v0.12"
+    assert table["CPU_ATTN"]["0.32"] == "CPU_LBHNC"
+    assert table["MLA"]["0.20"] == "mla_v0.12"

@@ -46,3 +46,12 @@ def test_saved_figures_are_reproducible(tmp_path):
     first = [p.read_bytes() for p in save_figure(memory_map(["BLHNC"], small), "a", tmp_path, ("png", "svg", "pdf"))]
     second = [p.read_bytes() for p in save_figure(memory_map(["BLHNC"], small), "b", tmp_path, ("png", "svg", "pdf"))]
     assert first == second
+
+
+def test_atlas_draws_every_layout():
+    from kvlab.layouts import LAYOUTS
+    from kvlab.plotting import atlas
+
+    names = [n for n, layout in LAYOUTS.items() if layout.requires != "mla"]
+    fig = atlas(names, miniature(preset("llama-3.1-8b")), columns=6)
+    assert sum(1 for ax in fig.axes if ax.get_title()) == len(names)
