@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from kvlab.devices import resolve_device
 from kvlab.geometry import ModelGeometry
 
 AXES = "LBSNHD"
@@ -453,12 +454,14 @@ def allocate(
     *,
     fill: str = "zeros",
 ) -> KVCache:
-    """Allocate ``layout`` for ``geometry`` and cut each layer's view out of it.
+    """Allocate ``layout`` for ``geometry`` on ``device`` (cpu, cuda, npu, meta or auto)
+    and cut each layer's view out of it.
 
     ``fill`` is ``"zeros"``, ``"empty"`` or ``"arange"`` (each element's value is its
     position in the layout's logical order, handy to see where things land).
     """
     layout = get_layout(layout)
+    device = resolve_device(device)
     if fill not in ("zeros", "empty", "arange"):
         raise ValueError(f"fill must be 'zeros', 'empty' or 'arange', got {fill!r}")
     allocs = allocations(layout, geometry, num_blocks)

@@ -148,3 +148,19 @@ def test_cpu_page_is_all_k_rows_then_all_v_rows(name):
     firsts = torch.cat([t.flatten()[:: KV.head_size] for t in cache.storage])
     expected = _code(labels["layer"], labels["block"], labels["part"], labels["token"], labels["head"], KV, num_blocks)
     assert torch.equal(firsts.long(), expected)
+
+
+def test_devices():
+    from kvlab.devices import resolve_device
+
+    assert allocate("BLHNC", KV, 2, device="auto").storage[0].device.type == resolve_device("auto").type
+    with pytest.raises(ValueError, match="unknown device 'tpu'; choose auto, cpu, cuda, npu"):
+        allocate("BLHNC", KV, 2, device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="'cuda:0' is not available on this machine"):
+            allocate("BLHNC", KV, 2, device="cuda:0")
+    from kvlab.devices import _npu_available
+
+    if not _npu_available():
+        with pytest.raises(ValueError, match="'npu' is not available on this machine \\(install torch_npu\\)"):
+            allocate("BLHNC", KV, 2, device="npu")

@@ -1,0 +1,38 @@
+"""Which torch device to use: cpu, cuda, or an Ascend npu (through torch_npu)."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+
+def _npu_available() -> bool:
+    try:
+        importlib.import_module("torch_npu")  # registers the "npu" device with torch
+    except ImportError:
+        return False
+    return bool(torch.npu.is_available())
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """A usable device: ``"auto"`` picks cuda, then npu, then cpu; a named one must exist here."""
+    if isinstance(device, torch.device):
+        device = str(device)
+    kind = device.split(":")[0]
+    if kind == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        return torch.device("npu") if _npu_available() else torch.device("cpu")
+    available = {
+        "cpu": lambda: True,
+        "meta": lambda: True,
+        "cuda": torch.cuda.is_available,
+        "npu": _npu_available,
+    }
+    if kind not in available:
+        raise ValueError(f"unknown device {device!r}; choose auto, cpu, cuda, npu (or meta)")
+    if not available[kind]():
+        hint = "install torch_npu" if kind == "npu" else "this torch has no usable CUDA device"
+        raise ValueError(f"device {device!r} is not available on this machine ({hint})")
+    return torch.device(device)
