@@ -7,6 +7,8 @@ of the model and the transfer cost of the real model update in place. Headless
 
 from __future__ import annotations
 
+import html
+import io
 from typing import Any, Sequence
 
 import matplotlib.pyplot as plt
@@ -30,17 +32,21 @@ def compatible_layouts(model: str) -> list[str]:
     return names
 
 
-def show_layouts(model: str, layouts: Sequence[str], block_size: int, tokens: int) -> None:
-    """Print the transfer cost of ``tokens`` tokens for each layout and draw their memory maps."""
+def cost_lines(model: str, layouts: Sequence[str], block_size: int, tokens: int) -> list[str]:
+    """One line per layout: the bytes and segments of moving ``tokens`` tokens."""
     geometry = preset(model, block_size=block_size)
+    lines = []
     for name in layouts:
         cost = transfer_cost(name, geometry, tokens)
         sizes = ", ".join(f"{n} x {human_bytes(int(s))}" for s, n in cost["segment_sizes"].items())
-        print(f"{name:>28}: {human_bytes(cost['bytes_moved'])} in {cost['segments']} segments ({sizes})")
-    small = miniature(geometry)
-    fig = memory_map([get_layout(n) for n in layouts], small, num_blocks=6, moved_blocks=scattered_block_ids(2, 6, 0))
-    plt.show()
-    plt.close(fig)
+        lines.append(f"{name:>28}: {human_bytes(cost['bytes_moved'])} in {cost['segments']} segments ({sizes})")
+    return lines
+
+
+def layouts_figure(model: str, layouts: Sequence[str], block_size: int) -> plt.Figure:
+    """Memory maps of the layouts for a miniature of the model."""
+    small = miniature(preset(model, block_size=block_size))
+    return memory_map([get_layout(n) for n in layouts], small, num_blocks=6, moved_blocks=scattered_block_ids(2, 6, 0))
 
 
 def explore(
@@ -52,7 +58,12 @@ def explore(
 ) -> Any:
     """The explorer widget; with ``interactive=False`` draw the same view once and return None."""
     if not interactive:
-        show_layouts(model, layouts, block_size, tokens)
+        from IPython.display import display
+
+        print("\n".join(cost_lines(model, layouts, block_size, tokens)))
+        fig = layouts_figure(model, layouts, block_size)
+        display(fig)
+        plt.close(fig)
         return None
     import ipywidgets as widgets
 
@@ -63,26 +74,40 @@ def explore(
     tokens_w = widgets.SelectionSlider(
         options=[2**k for k in range(4, 15)], value=tokens, description="tokens", continuous_update=False
     )
-    out = widgets.Output()
+    # The numbers and the map are widget values, replaced in place on every change.
+    numbers = widgets.HTML()
+    picture = widgets.Image(format="png")
+
+    updating = False  # set while the model change swaps the layout lists: draw once, after
 
     def redraw(*_: Any) -> None:
-        with out:
-            out.clear_output(wait=True)
-            try:
-                show_layouts(model_w.value, [first.value, second.value], block_w.value, tokens_w.value)
-            except ValueError as exc:
-                print(f"error: {exc}")
+        if updating:
+            return
+        chosen = [first.value, second.value]
+        try:
+            lines = cost_lines(model_w.value, chosen, block_w.value, tokens_w.value)
+        except ValueError as exc:
+            lines = [f"error: {exc}"]
+        numbers.value = "<pre>" + html.escape("\n".join(lines)) + "</pre>"
+        fig = layouts_figure(model_w.value, chosen, block_w.value)
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png", dpi=90, bbox_inches="tight")
+        plt.close(fig)
+        picture.value = buffer.getvalue()
 
     def on_model(change: dict) -> None:
+        nonlocal updating
         options = compatible_layouts(change["new"])
+        updating = True
         for dropdown, fallback in ((first, options[0]), (second, "BLHNC")):
             keep = dropdown.value if dropdown.value in options else fallback
             dropdown.options = options
             dropdown.value = keep
+        updating = False
         redraw()
 
     model_w.observe(on_model, names="value")
     for widget in (first, second, block_w, tokens_w):
         widget.observe(redraw, names="value")
     redraw()
-    return widgets.VBox([widgets.HBox([model_w, block_w, tokens_w]), widgets.HBox([first, second]), out])
+    return widgets.VBox([widgets.HBox([model_w, block_w, tokens_w]), widgets.HBox([first, second]), numbers, picture])
