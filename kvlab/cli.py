@@ -8,7 +8,7 @@ import sys
 from typing import Sequence
 
 from kvlab.geometry import resolve_model
-from kvlab.layouts import LAYOUTS, check_compatible, get_layout
+from kvlab.layouts import LAYOUTS, get_layout
 from kvlab.plotting import human_bytes
 from kvlab.segments import transfer_cost
 
@@ -25,7 +25,6 @@ def _parse_block_ids(text: str) -> str | list[int]:
 def layout_report(args: argparse.Namespace) -> dict:
     geometry = resolve_model(args.model, dtype=args.dtype, block_size=args.block_size)
     layout = get_layout(args.layout)
-    check_compatible(layout, geometry)
     cost = transfer_cost(layout, geometry, args.tokens, block_ids=_parse_block_ids(args.block_ids),
                          num_blocks=args.num_blocks, seed=args.seed)
     del cost["layout"]

@@ -14,22 +14,9 @@ from typing import Any, Sequence
 import matplotlib.pyplot as plt
 
 from kvlab.geometry import PRESETS, preset
-from kvlab.layouts import LAYOUTS, check_compatible, get_layout
+from kvlab.layouts import compatible_layouts, get_layout
 from kvlab.plotting import human_bytes, memory_map, miniature
 from kvlab.segments import scattered_block_ids, transfer_cost
-
-
-def compatible_layouts(model: str) -> list[str]:
-    geometry = preset(model)
-    names = []
-    for name, layout in LAYOUTS.items():
-        try:
-            check_compatible(layout, geometry)
-        except ValueError:
-            continue
-        if not layout.is_chunk_format:
-            names.append(name)
-    return names
 
 
 def cost_lines(model: str, layouts: Sequence[str], block_size: int, tokens: int) -> list[str]:
@@ -68,8 +55,8 @@ def explore(
     import ipywidgets as widgets
 
     model_w = widgets.Dropdown(options=sorted(PRESETS), value=model, description="model")
-    first = widgets.Dropdown(options=compatible_layouts(model), value=layouts[0], description="layout A")
-    second = widgets.Dropdown(options=compatible_layouts(model), value=layouts[1], description="layout B")
+    first = widgets.Dropdown(options=compatible_layouts(preset(model), chunk_formats=False), value=layouts[0], description="layout A")
+    second = widgets.Dropdown(options=compatible_layouts(preset(model), chunk_formats=False), value=layouts[1], description="layout B")
     block_w = widgets.Dropdown(options=[16, 32, 64, 128, 256], value=block_size, description="block size")
     tokens_w = widgets.SelectionSlider(
         options=[2**k for k in range(4, 15)], value=tokens, description="tokens", continuous_update=False
@@ -86,10 +73,11 @@ def explore(
         chosen = [first.value, second.value]
         try:
             lines = cost_lines(model_w.value, chosen, block_w.value, tokens_w.value)
+            fig = layouts_figure(model_w.value, chosen, block_w.value)
         except ValueError as exc:
-            lines = [f"error: {exc}"]
+            numbers.value = f"<pre>error: {html.escape(str(exc))}</pre>"
+            return
         numbers.value = "<pre>" + html.escape("\n".join(lines)) + "</pre>"
-        fig = layouts_figure(model_w.value, chosen, block_w.value)
         buffer = io.BytesIO()
         fig.savefig(buffer, format="png", dpi=90, bbox_inches="tight")
         plt.close(fig)
@@ -97,7 +85,7 @@ def explore(
 
     def on_model(change: dict) -> None:
         nonlocal updating
-        options = compatible_layouts(change["new"])
+        options = compatible_layouts(preset(change["new"]), chunk_formats=False)
         updating = True
         for dropdown, fallback in ((first, options[0]), (second, "BLHNC")):
             keep = dropdown.value if dropdown.value in options else fallback

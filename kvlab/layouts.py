@@ -344,6 +344,16 @@ def _fits_mla(layout: Layout) -> bool:
     return layout.requires != "kv" and (layout.packs_parts or layout.is_tuple)
 
 
+def compatible_layouts(geometry: ModelGeometry, chunk_formats: bool = True) -> list[str]:
+    """Names of the layouts that can hold this geometry's KV (MLA or K/V)."""
+    return [
+        name
+        for name, layout in LAYOUTS.items()
+        if (_fits_mla(layout) if geometry.is_mla else layout.requires != "mla")
+        and (chunk_formats or not layout.is_chunk_format)
+    ]
+
+
 @dataclass(frozen=True)
 class Allocation:
     """One backing tensor of a layout: its fixed split-axis indices and its axes."""

@@ -16,7 +16,7 @@ import matplotlib.ticker
 import numpy as np
 
 from kvlab.geometry import ModelGeometry
-from kvlab.layouts import Layout, address_labels, get_layout
+from kvlab.layouts import Layout, address_labels, axis_sizes, get_layout
 from kvlab.segments import block_segments
 
 COLOUR_BY = ("layer", "block", "part", "token")
@@ -87,8 +87,7 @@ def draw_memory_map(
     if moved_blocks:
         faded = ~np.isin(labels["block"], list(moved_blocks))
         rgb[faded] = 0.25 * rgb[faded] + 0.75
-    parts = 1 if geometry.is_mla and not layout.is_tuple else 2
-    width = width or geometry.block_size * geometry.num_kv_heads * parts
+    width = width or geometry.block_size * geometry.num_kv_heads * axis_sizes(layout, geometry, num_blocks)["S"]
     rows = -(-len(rgb) // width)
     image = np.ones((rows * width, 3))
     image[: len(rgb)] = rgb

@@ -7,6 +7,7 @@ Runs of one backing tensor that touch are merged; separate tensors never merge.
 
 from __future__ import annotations
 
+import operator
 import random
 from collections import Counter
 from dataclasses import dataclass
@@ -51,8 +52,11 @@ class Segments:
 
 
 def check_block_ids(block_ids: Sequence[int], num_blocks: int) -> list[int]:
-    """Block ids as a list of ints, refusing out-of-range and duplicated ids."""
-    ids = [int(b) for b in block_ids]
+    """Block ids as a list of ints, refusing non-integers, out-of-range and duplicated ids."""
+    try:
+        ids = [operator.index(b) for b in block_ids]
+    except TypeError:
+        raise ValueError(f"block ids must be integers, got {list(block_ids)[:8]}") from None
     bad = [b for b in ids if not 0 <= b < num_blocks]
     if bad:
         raise ValueError(f"block ids {bad[:8]} out of range: the cache has blocks 0..{num_blocks - 1}")
@@ -64,6 +68,8 @@ def check_block_ids(block_ids: Sequence[int], num_blocks: int) -> list[int]:
 
 def scattered_block_ids(count: int, num_blocks: int, seed: int = 0) -> list[int]:
     """``count`` block ids, no two adjacent, in a seeded random order: the worst case."""
+    if count < 0:
+        raise ValueError(f"count must be >= 0, got {count}")
     if 2 * count - 1 > num_blocks:
         raise ValueError(f"{count} non-adjacent blocks need at least {2 * count - 1} blocks, got {num_blocks}")
     rng = random.Random(seed)
@@ -104,20 +110,31 @@ def span_segments(
     """Merged byte runs that the tokens ``spans`` (block id, first, end) touch in every layer."""
     layout = get_layout(layout)
     check_block_ids([b for b, _, _ in spans], num_blocks)
-    if spans:
+    bad = [s for s in spans if not 0 <= s[1] < s[2] <= geometry.block_size]
+    if bad:
+        raise ValueError(
+            f"token spans {bad[:4]} are not (block, first, end) with 0 <= first < end <= "
+            f"block size {geometry.block_size}"
+        )
+    # Whole blocks are selected by the block axis alone (far fewer runs to enumerate);
+    # partial blocks need the token axis too.
+    whole = all(s == 0 and e == geometry.block_size for _, s, e in spans)
+    if whole:
+        blocks = torch.tensor([b for b, _, _ in spans], dtype=torch.int64)
+        tokens = torch.zeros_like(blocks)
+    else:
         blocks = torch.cat([torch.full((e - s,), b, dtype=torch.int64) for b, s, e in spans])
         tokens = torch.cat([torch.arange(s, e, dtype=torch.int64) for _, s, e in spans])
-    else:
-        blocks = tokens = torch.empty(0, dtype=torch.int64)
+    selected = "B" if whole else "BN"
     itemsize = geometry.itemsize
     tensors, starts, lengths = [], [], []
     for index, alloc in enumerate(allocations(layout, geometry, num_blocks)):
         axes, strides = alloc.axes, alloc.strides
-        inner = max(axes.index("B"), axes.index("N"))
+        inner = max(axes.index(a) for a in selected)
         run = prod(alloc.sizes[inner + 1:]) * itemsize
         offsets = torch.zeros(1, dtype=torch.int64)
         for axis, size, stride in zip(axes[: inner + 1], alloc.sizes, strides):
-            if axis not in "BN":
+            if axis not in selected:
                 offsets = (offsets[:, None] + torch.arange(size) * stride).flatten()
         picked = blocks * strides[axes.index("B")] + tokens * strides[axes.index("N")]
         run_starts = ((offsets[:, None] + picked[None, :]).flatten() * itemsize).sort().values
@@ -220,13 +237,12 @@ def sweep(
 
 def layout_table(layouts: Sequence[str | Layout], geometry: ModelGeometry, num_blocks: int = 8) -> list[dict[str, Any]]:
     """The stride table: how each layout hands a layer to a connector, and what a block costs."""
-    from kvlab.layouts import allocate, check_compatible
+    from kvlab.layouts import allocate, compatible_layouts
 
+    fitting = compatible_layouts(geometry)
     rows = []
     for layout in map(get_layout, layouts):
-        try:
-            check_compatible(layout, geometry)
-        except ValueError:
+        if layout.name not in fitting:
             continue
         cache = allocate(layout, geometry, num_blocks, device="meta")
         first = list(cache.layers.values())[:2]

@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlab.geometry import ModelGeometry, preset
-from kvlab.layouts import LAYOUTS, address_labels, allocations, check_compatible
+from kvlab.layouts import address_labels, allocations, compatible_layouts
 from kvlab.segments import (
     block_segments,
     check_block_ids,
@@ -60,17 +60,6 @@ def brute_force(layout, geometry, num_blocks, spans):
     return runs
 
 
-def compatible(geometry):
-    out = []
-    for name, layout in LAYOUTS.items():
-        try:
-            check_compatible(layout, geometry)
-            out.append(name)
-        except ValueError:
-            pass
-    return out
-
-
 @settings(max_examples=120, deadline=None)
 @given(data=st.data())
 def test_segments_equal_brute_force(data):
@@ -81,7 +70,7 @@ def test_segments_equal_brute_force(data):
     else:
         geometry = ModelGeometry("g", layers, data.draw(st.integers(1, 3)), data.draw(st.sampled_from([1, 2, 4])),
                                  dtype=data.draw(st.sampled_from(["float32", "bfloat16", "float8_e5m2"])), block_size=block)
-    layout = data.draw(st.sampled_from(compatible(geometry)))
+    layout = data.draw(st.sampled_from(compatible_layouts(geometry)))
     ids = data.draw(st.lists(st.integers(0, num_blocks - 1), unique=True, max_size=num_blocks))
     spans = []
     for b in ids:
@@ -113,6 +102,17 @@ def test_token_range_partial_blocks():
 def test_bad_token_range(args, message):
     with pytest.raises(ValueError, match=message):
         token_spans(*args)
+
+
+def test_bad_spans_and_ids():
+    with pytest.raises(ValueError, match="are not \\(block, first, end\\)"):
+        span_segments("LBHNC", LLAMA, 8, [(1, 0, 17)])
+    with pytest.raises(ValueError, match="are not \\(block, first, end\\)"):
+        span_segments("LBHNC", LLAMA, 8, [(1, 5, 5)])
+    with pytest.raises(ValueError, match="block ids must be integers"):
+        block_segments("LBHNC", LLAMA, 8, [1.5])
+    with pytest.raises(ValueError, match="count must be >= 0"):
+        scattered_block_ids(-1, 8)
 
 
 def test_bad_block_ids():
