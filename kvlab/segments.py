@@ -192,7 +192,10 @@ def transfer_cost(
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
         raise ValueError(f"tokens must be a positive integer, got {tokens!r}")
     needed = -(-tokens // geometry.block_size)
-    num_blocks = num_blocks or max(4 * needed, 64)
+    if num_blocks is None:
+        num_blocks = max(4 * needed, 64)
+    elif isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
+        raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
     if layout.is_chunk_format:
         # A stored chunk holds exactly these tokens, in order.
         block_ids, num_blocks = "chunk", needed

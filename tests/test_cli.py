@@ -57,6 +57,7 @@ def test_model_folder(capsys, tmp_path):
         (["--block-ids", "3,3", "--tokens", "32"], "appear more than once"),
         (["--tokens", "0"], "tokens must be a positive integer"),
         (["--block-size", "0"], "block_size must be a positive integer"),
+        (["--num-blocks", "0"], "num_blocks must be a positive integer"),
     ],
 )
 def test_bad_input(capsys, argv, message):
