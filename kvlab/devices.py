@@ -7,7 +7,8 @@ import importlib
 import torch
 
 
-def _npu_available() -> bool:
+def npu_available() -> bool:
+    """An Ascend NPU through torch_npu (imported here, as it registers the device)."""
     try:
         importlib.import_module("torch_npu")  # registers the "npu" device with torch
     except ImportError:
@@ -23,12 +24,12 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     if kind == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
-        return torch.device("npu") if _npu_available() else torch.device("cpu")
+        return torch.device("npu") if npu_available() else torch.device("cpu")
     available = {
         "cpu": lambda: True,
         "meta": lambda: True,
         "cuda": torch.cuda.is_available,
-        "npu": _npu_available,
+        "npu": npu_available,
     }
     if kind not in available:
         raise ValueError(f"unknown device {device!r}; choose auto, cpu, cuda, npu (or meta)")
@@ -36,3 +37,14 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
         hint = "install torch_npu" if kind == "npu" else "this torch has no usable CUDA device"
         raise ValueError(f"device {device!r} is not available on this machine ({hint})")
     return torch.device(device)
+
+
+def can_pin_memory() -> bool:
+    """Page-locked host memory needs an accelerator runtime (cuda or npu)."""
+    return torch.cuda.is_available() or npu_available()
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for all work queued on ``device``; a no-op on the CPU, whose ops are synchronous."""
+    if device.type not in ("cpu", "meta"):
+        getattr(torch, device.type).synchronize(device)

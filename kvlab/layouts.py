@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from kvlab.devices import resolve_device
+from kvlab.devices import can_pin_memory, resolve_device
 from kvlab.geometry import ModelGeometry
 
 AXES = "LBSNHD"
@@ -463,20 +463,24 @@ def allocate(
     device: str | torch.device = "cpu",
     *,
     fill: str = "zeros",
+    pin_memory: bool = False,
 ) -> KVCache:
     """Allocate ``layout`` for ``geometry`` on ``device`` (cpu, cuda, npu, meta or auto)
     and cut each layer's view out of it.
 
     ``fill`` is ``"zeros"``, ``"empty"`` or ``"arange"`` (each element's value is its
     position in the layout's logical order, handy to see where things land).
+    ``pin_memory`` page-locks a host allocation so an accelerator can copy it asynchronously.
     """
     layout = get_layout(layout)
     device = resolve_device(device)
     if fill not in ("zeros", "empty", "arange"):
         raise ValueError(f"fill must be 'zeros', 'empty' or 'arange', got {fill!r}")
+    if pin_memory and (device.type != "cpu" or not can_pin_memory()):
+        raise ValueError(f"pin_memory needs a host (cpu) allocation on a machine with cuda or npu, not {device}")
     allocs = allocations(layout, geometry, num_blocks)
     make = torch.zeros if fill == "zeros" else torch.empty
-    storage = [make(a.sizes, dtype=geometry.dtype, device=device) for a in allocs]
+    storage = [make(a.sizes, dtype=geometry.dtype, device=device, pin_memory=pin_memory) for a in allocs]
     if fill == "arange":
         for alloc, tensor in zip(allocs, storage):
             tensor.copy_(torch.arange(alloc.numel, device=device).reshape(alloc.sizes).to(geometry.dtype))
@@ -522,7 +526,12 @@ def address_labels(layout: str | Layout, geometry: ModelGeometry, num_blocks: in
 
 
 def allocate_chunk(
-    layout: str | Layout, geometry: ModelGeometry, chunk_size: int, device: str | torch.device = "cpu"
+    layout: str | Layout,
+    geometry: ModelGeometry,
+    chunk_size: int,
+    device: str | torch.device = "cpu",
+    *,
+    pin_memory: bool = False,
 ) -> KVCache:
     """An LMCache stored chunk of ``chunk_size`` tokens (a whole number of blocks)."""
     layout = get_layout(layout)
@@ -536,7 +545,7 @@ def allocate_chunk(
             f"chunk_size {chunk_size} is not a multiple of the block size {geometry.block_size}: "
             f"LMCache needs whole blocks per chunk (e.g. {geometry.block_size * max(1, chunk_size // geometry.block_size)})"
         )
-    return allocate(layout, geometry, chunk_size // geometry.block_size, device)
+    return allocate(layout, geometry, chunk_size // geometry.block_size, device, pin_memory=pin_memory)
 
 
 def vllm_history(versions: list[str], backends: tuple[str, ...] = tuple(_BACKEND_RELEASES)) -> dict[str, dict[str, str]]:

