@@ -2,7 +2,7 @@
 # and `make test`. Both create .venv on first use.
 PY := .venv/bin/python
 
-.PHONY: run test env
+.PHONY: run test env figures
 env:
 	@bash scripts/setup-env
 
@@ -11,3 +11,7 @@ run: env
 
 test: env
 	$(PY) -m pytest
+
+# Redraw every figure from the committed results in data/results (measures nothing).
+figures: env
+	$(PY) -m kvlab notebooks --from-results

@@ -33,6 +33,7 @@ from kvlab.segments import contiguous_block_ids, scattered_block_ids
 from kvlab.transfer import METHODS, PEERS, LayerwiseLoad, Transfer, _copy_stream, chunk_buffer, host_buffer, method_status
 
 DIRECTIONS = ("offload", "load")
+MAX_SEGMENTS = 65536  # the segments method beyond this takes seconds per call: recorded, not timed
 
 
 def _progress(items: list, description: str) -> Iterable:
@@ -232,6 +233,9 @@ def measure(config: Config, device: torch.device, repeats: int, setup: _Setup, s
     transfer = Transfer(src, src_ids, dst, dst_ids, config.method)
     plan = transfer.plan
     plan_s = time.perf_counter() - started
+    if config.method == "segments" and plan.segments > MAX_SEGMENTS:
+        return {**row, "status": f"skipped: {plan.segments} segments, too many to copy one by one",
+                "segments": plan.segments, "bytes": plan.nbytes}
     clock = _Clock(device)
     ceiling = ceiling_copy(plan.nbytes, config.direction, device)
     try:
@@ -270,16 +274,15 @@ PROFILES: dict[str, dict[str, Any]] = {
     # finishes in well under a minute on a 2-core machine
     "quick": {"models": ["llama-3.1-8b"], "tokens": [256, 1024], "layouts": ["LBHNC", "BLHNC"],
               "methods": ["segments", "gather", "compiled"], "repeats": 5, "chunks": False},
-    # the main job on a CPU machine (notebook 02, full mode)
+    # the main job on a CPU machine (notebook 02, full mode): a few minutes on 2 cores
     "full": {"models": ["llama-3.1-8b", "qwen3-8b", "qwen3-30b-a3b", "deepseek-r1-distill-qwen-1.5b",
                         "smollm2-135m", "deepseek-v2-lite"],
-             "tokens": [256, 1024], "layouts": ["LBHNC", "LHBNC", "BLHNC", "ascend_kv_tuple"],
-             "methods": list(METHODS + PEERS), "repeats": 7, "chunks": True, "extra_tokens": [64, 4096]},
+             "tokens": [256], "layouts": ["LBHNC", "LHBNC", "BLHNC", "ascend_kv_tuple"],
+             "methods": list(METHODS + PEERS), "repeats": 5, "chunks": True, "extra_tokens": [64, 1024]},
     # one GPU, torch only, under four minutes
-    "gpu": {"models": ["llama-3.1-8b", "qwen3-8b", "qwen3-30b-a3b", "deepseek-r1-distill-qwen-1.5b",
-                       "smollm2-135m", "deepseek-v2-lite"],
-            "tokens": [256, 1024, 4096], "layouts": ["LBHNC", "LHBNC", "BLHNC", "ascend_kv_tuple"],
-            "methods": list(METHODS + PEERS), "repeats": 15, "chunks": True, "extra_tokens": [64, 16384]},
+    "gpu": {"models": ["llama-3.1-8b", "qwen3-30b-a3b", "deepseek-r1-distill-qwen-1.5b", "deepseek-v2-lite"],
+            "tokens": [1024], "layouts": ["LBHNC", "BLHNC", "ascend_kv_tuple"],
+            "methods": list(METHODS + PEERS), "repeats": 10, "chunks": False, "extra_tokens": [64, 256, 4096, 16384]},
 }
 
 
@@ -376,10 +379,10 @@ def load_results(paths: Iterable[str | Path], latest: bool = True) -> list[dict[
 # --- layerwise pipelining ------------------------------------------------------------
 
 
-def _stand_in_compute(tokens: int, hidden: int, device: torch.device, dtype: torch.dtype):
-    """A per-layer stand-in for attention + MLP: a chain of [tokens, hidden] matmuls."""
-    x = torch.randn(tokens, hidden, device=device, dtype=dtype)
-    w = torch.randn(hidden, hidden, device=device, dtype=dtype) / hidden**0.5
+def _stand_in_compute(tokens: int, hidden: int, device: torch.device):
+    """A per-layer stand-in for attention + MLP: a chain of fp32 [tokens, hidden] matmuls."""
+    x = torch.randn(tokens, hidden, device=device)
+    w = torch.randn(hidden, hidden, device=device) / hidden**0.5
 
     def step(times: int) -> None:
         y = x
@@ -390,7 +393,7 @@ def _stand_in_compute(tokens: int, hidden: int, device: torch.device, dtype: tor
 
 
 def pipeline_timing(geometry: ModelGeometry, tokens: int, intensities: Sequence[float], device: str | torch.device = "auto",
-                    repeats: int = 5, method: str = "gather", hidden: int = 1024, seed: int = 0) -> list[dict[str, Any]]:
+                    repeats: int = 5, method: str = "gather", seed: int = 0) -> list[dict[str, Any]]:
     """Load everything then compute, against loading layer by layer overlapped with
     compute. ``intensity`` is one layer's compute time over one layer's load time."""
     device = resolve_device(device)
@@ -403,10 +406,14 @@ def pipeline_timing(geometry: ModelGeometry, tokens: int, intensities: Sequence[
     whole = Transfer(buffer, list(range(blocks)), cache, ids, method)
     layerwise = LayerwiseLoad(buffer, cache, ids, method=method)
     clock = _Clock(device)
-    compute = _stand_in_compute(tokens, hidden, device, geometry.dtype)
-    one_matmul = statistics.median(clock(lambda: compute(1)) for _ in range(5))
     load_s = statistics.median(clock(whole.run) for _ in range(3))
     per_layer_load = load_s / geometry.num_layers
+    # the widest matmul that still divides one layer's load time into a few steps
+    for hidden in (64, 128, 256, 512, 1024, 2048, 4096):
+        compute = _stand_in_compute(tokens, hidden, device)
+        one_matmul = statistics.median(clock(lambda: compute(1)) for _ in range(5))
+        if one_matmul > per_layer_load / 4:
+            break
     rows = []
     for intensity in intensities:
         times = max(0, round(intensity * per_layer_load / one_matmul))
@@ -428,7 +435,7 @@ def pipeline_timing(geometry: ModelGeometry, tokens: int, intensities: Sequence[
         compute_s = statistics.median(clock(lambda: compute(times)) for _ in range(3)) * geometry.num_layers
         rows.append({
             "record": "row", "kind": "layerwise", "model": geometry.name, "num_layers": geometry.num_layers,
-            "tokens": tokens, "method": method, "intensity": intensity, "matmuls_per_layer": times,
+            "tokens": tokens, "method": method, "intensity": intensity, "matmuls_per_layer": times, "hidden": hidden,
             "load_s": load_s, "compute_s": compute_s,
             "sequential_s": statistics.median(seq), "layerwise_s": statistics.median(pipe),
             "speedup": statistics.median(seq) / statistics.median(pipe),
@@ -451,3 +458,31 @@ def run_pipeline_sweep(models: Sequence[str], tokens: Sequence[int], intensities
     if out is not None:
         append_results(out, run, rows)
     return rows
+
+
+def _slug(text: str) -> str:
+    keep = "".join(c if c.isalnum() else "-" for c in text.lower())
+    return "-".join(part for part in keep.split("-") if part)[:60]
+
+
+def default_results_path(stem: str, device: str | torch.device = "auto") -> Path:
+    """``data/results/<stem>-<hardware>.jsonl`` in the project checkout (else the working
+    directory): one file per machine, appended run after run."""
+    device = resolve_device(device)
+    root = Path(__file__).resolve().parent.parent
+    base = root / "data" / "results" if (root / "pyproject.toml").exists() else Path("data") / "results"
+    return base / f"{stem}-{_slug(device.type + ' ' + device_name(device))}.jsonl"
+
+
+def format_rows(rows: Sequence[dict[str, Any]]) -> str:
+    """A readable table of sweep rows."""
+    lines = [f"{'model':34s} {'layout':18s} {'blocks':10s} {'target':10s} {'method':9s} {'dir':7s} {'tokens':>6s} "
+             f"{'segments':>8s} {'GB/s':>7s} {'ceiling':>7s} {'ratio':>6s}"]
+    for r in rows:
+        head = (f"{r['model'][-34:]:34s} {r['layout']:18s} {r['block_ids']:10s} {r['target']:10s} {r['method']:9s} "
+                f"{r['direction']:7s} {r['tokens']:6d}")
+        if r["status"] != "ok":
+            lines.append(f"{head} {r['status'][:70]}")
+        else:
+            lines.append(f"{head} {r['segments']:8d} {r['gbps']:7.2f} {r['ceiling_gbps']:7.2f} {r['ratio']:6.2f}")
+    return "\n".join(lines)

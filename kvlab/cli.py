@@ -1,4 +1,8 @@
-"""Command line: ``python -m kvlab layout ...`` and ``python -m kvlab notebooks``."""
+"""Command line: ``python -m kvlab layout|bench|layerwise|notebooks ...``.
+
+Imports torch only at start-up (matplotlib where a report needs it), so ``bench`` runs on
+a bare GPU machine.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,6 @@ from typing import Sequence
 
 from kvlab.geometry import resolve_model
 from kvlab.layouts import LAYOUTS, get_layout
-from kvlab.plotting import human_bytes
 from kvlab.segments import transfer_cost
 
 
@@ -39,6 +42,8 @@ def layout_report(args: argparse.Namespace) -> dict:
 
 
 def print_report(report: dict) -> None:
+    from kvlab.plotting import human_bytes
+
     g, layout = report["geometry"], report["layout"]
     mla = f"MLA latent {g['kv_lora_rank']}+{g['qk_rope_head_dim']}" if g["mla"] else f"{g['num_kv_heads']} kv heads x {g['head_size']}"
     rows = [
@@ -55,6 +60,53 @@ def print_report(report: dict) -> None:
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
+
+
+def _csv(text: str | None, kind: type = str) -> list | None:
+    if text is None:
+        return None
+    try:
+        return [kind(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"expected a comma-separated list of {kind.__name__}, got {text!r}") from None
+
+
+def run_bench(args: argparse.Namespace) -> None:
+    from kvlab import bench
+
+    profile = dict(bench.PROFILES["quick" if args.quick else args.profile or "full"])
+    for key, value in (("models", _csv(args.model)), ("tokens", _csv(args.tokens, int)),
+                       ("layouts", _csv(args.layouts)), ("methods", _csv(args.methods))):
+        if value is not None:
+            profile[key] = value
+            profile.pop("extra_tokens", None) if key in ("models", "tokens") else None
+    if any(t <= 0 for t in profile["tokens"]):
+        raise ValueError(f"--tokens must be positive, got {profile['tokens']}")
+    for layout in profile["layouts"]:
+        get_layout(layout)
+    unknown = [m for m in profile["methods"] if m not in bench.METHODS + bench.PEERS]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}; choose from {list(bench.METHODS + bench.PEERS)}")
+    out = None if args.no_save else args.out or bench.default_results_path("02_transfer", args.device)
+    configs = bench.configs(profile, dtype=args.dtype, block_size=args.block_size)
+    rows = bench.run_sweep(configs, args.device, repeats=args.repeats or profile["repeats"], out=out)
+    print(bench.format_rows(rows))
+    if out:
+        print(f"appended {len(rows)} rows to {out}")
+
+
+def run_layerwise(args: argparse.Namespace) -> None:
+    from kvlab import bench
+
+    out = None if args.no_save else args.out or bench.default_results_path("02_layerwise", args.device)
+    rows = bench.run_pipeline_sweep(_csv(args.model), _csv(args.tokens, int), _csv(args.intensities, float),
+                                    args.device, args.repeats, out=out)
+    for row in rows:
+        print(f"{row['model']:40s} {row['tokens']:6d} tokens  intensity {row['intensity']:<5g} "
+              f"sequential {row['sequential_s'] * 1e3:8.2f} ms  layerwise {row['layerwise_s'] * 1e3:8.2f} ms  "
+              f"speedup {row['speedup']:.2f} (ideal {row['ideal_speedup']:.2f})")
+    if out:
+        print(f"appended {len(rows)} rows to {out}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -77,6 +129,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     nb.add_argument("--quick", action="store_true", help="small sizes, as the tests run them")
     nb.add_argument("--only", nargs="*", default=None, help="notebook names (default: all)")
     nb.add_argument("--out", default="data", help="where figures and executed notebooks go")
+    nb.add_argument("--from-results", action="store_true",
+                    help="measure nothing: redraw every figure from the committed results")
+
+    bench = sub.add_parser("bench", help="time offload and load against this machine's copy ceiling")
+    bench.add_argument("--profile", choices=["quick", "full", "gpu"], default=None,
+                       help="a preset sweep (default: full's methods and layouts for the models given)")
+    bench.add_argument("--quick", action="store_true", help="the quick profile: under a minute on a small CPU")
+    bench.add_argument("--model", default=None, help="comma-separated presets or model folders")
+    bench.add_argument("--tokens", default=None, help="comma-separated token counts, e.g. 256,1024,4096")
+    bench.add_argument("--layouts", default=None, help="comma-separated layouts")
+    bench.add_argument("--methods", default=None, help="comma-separated methods and peers")
+    bench.add_argument("--dtype", default=None)
+    bench.add_argument("--block-size", type=int, default=16)
+    bench.add_argument("--device", default="auto", help="auto, cpu, cuda or npu")
+    bench.add_argument("--repeats", type=int, default=None)
+    bench.add_argument("--out", default=None, help="JSONL file to append to (default data/results/02_transfer-<hardware>.jsonl)")
+    bench.add_argument("--no-save", action="store_true", help="print only")
+
+    lw = sub.add_parser("layerwise", help="layer-by-layer loading overlapped with compute, against load-then-compute")
+    lw.add_argument("--model", default="llama-3.1-8b,qwen3-30b-a3b")
+    lw.add_argument("--tokens", default="256,1024")
+    lw.add_argument("--intensities", default="0.25,0.5,1,2,4", help="per-layer compute time / load time")
+    lw.add_argument("--device", default="auto")
+    lw.add_argument("--repeats", type=int, default=5)
+    lw.add_argument("--out", default=None, help="JSONL file (default data/results/02_layerwise-<hardware>.jsonl)")
+    lw.add_argument("--no-save", action="store_true")
 
     args = parser.parse_args(argv)
     try:
@@ -90,10 +168,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(json.dumps(report, indent=2))
             else:
                 print_report(report)
+        elif args.command == "bench":
+            run_bench(args)
+        elif args.command == "layerwise":
+            run_layerwise(args)
         else:
             from kvlab.notebooks import run_notebooks
 
-            run_notebooks(quick=args.quick, only=args.only, out=args.out)
+            run_notebooks(quick=args.quick, only=args.only, out=args.out, measure=not args.from_results)
     except ValueError as exc:
         print(f"kvlab: error: {exc}", file=sys.stderr)
         return 2

@@ -20,9 +20,11 @@ def notebook_paths(only: Sequence[str] | None = None) -> list[Path]:
     return paths
 
 
-def run_notebooks(quick: bool = False, only: Sequence[str] | None = None, out: str | Path = "data") -> list[Path]:
+def run_notebooks(quick: bool = False, only: Sequence[str] | None = None, out: str | Path = "data",
+                  measure: bool = True) -> list[Path]:
     """Execute each notebook, writing figures under out/figures, results under out/results
-    and the executed notebook under out/notebooks."""
+    and the executed notebook under out/notebooks. With ``measure`` off, notebooks that
+    time things only redraw their figures from the results already in out/results."""
     import papermill
 
     out = Path(out).resolve()
@@ -38,6 +40,7 @@ def run_notebooks(quick: bool = False, only: Sequence[str] | None = None, out: s
                 "figures_dir": os.path.relpath(out / "figures", path.parent),
                 "results_dir": os.path.relpath(out / "results", path.parent),
                 "interactive": False,
+                "measure": measure,
             },
             cwd=str(path.parent),
             kernel_name="python3",

@@ -25,6 +25,7 @@ This module needs torch only; the peers import LMCache or vLLM when they are ask
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
 import shutil
@@ -200,6 +201,11 @@ def _run_spread(jobs: list[Callable[[], None]], device: torch.device) -> None:
         future.result()
 
 
+def _as_ints(cache: KVCache) -> KVCache:
+    """The same cache with its backing tensors viewed as same-width integers."""
+    return replace(cache, storage=[t.view(_INT_VIEW[t.element_size()]) for t in cache.storage])
+
+
 def _flat(storage: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each backing tensor as a flat tensor of same-width integers: copies stay bitwise."""
     return [t.view(-1).view(_INT_VIEW[t.element_size()]) for t in storage]
@@ -224,6 +230,7 @@ class Transfer:
     blocking: bool = True
     staging: bool | None = None  # gather/compiled across devices: stage on the accelerator
     _event: object = field(default=None, init=False, repr=False)
+    _pairs: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         src, dst = self.src, self.dst
@@ -382,25 +389,27 @@ def _segments(t: Transfer) -> None:
         dst[dt][do:do + n].copy_(src[st][so:so + n], non_blocking=non_blocking)
 
 
-def _block_rows(cache: KVCache) -> list[list[torch.Tensor]]:
-    """Each backing tensor as [outer, block, inner] views, one per layer when the layer
-    axis lies outside the block axis (so an indexed copy moves one layer's blocks)."""
+def _block_rows(cache: KVCache) -> list[tuple[int | None, torch.Tensor]]:
+    """Each backing tensor as (layer, [outer, block, inner] view) pairs: one per layer when
+    the layer axis lies outside the block axis (an indexed copy then moves one layer's
+    blocks), else one for all layers (layer None)."""
     out = []
     for alloc, tensor in zip(allocations(cache.layout, cache.geometry, cache.num_blocks), cache.storage):
         shaped = tensor.view(alloc.sizes)
-        axes = alloc.axes
-        k = axes.index("B")
+        axes, k = alloc.axes, alloc.axes.index("B")
         inner = math.prod(alloc.sizes[k + 1:])
         if "L" in axes[:k]:
             li = axes.index("L")
-            rows = []
             for layer in range(alloc.sizes[li]):
-                sub = shaped.select(li, layer)
-                rows.append(sub.view(*alloc.sizes[:li], *alloc.sizes[li + 1:k], cache.num_blocks, inner).flatten(0, -3)
-                            if k > 1 else sub.view(1, cache.num_blocks, inner))
-            out.append(rows)
+                sub = shaped.select(li, layer).flatten(k)  # [*outer, block, inner], a view
+                try:
+                    out.append((layer, sub.view(-1, cache.num_blocks, inner)))
+                except RuntimeError:  # outer axes not mergeable (the layer axis sat between them)
+                    out += [(layer, sub[index].view(1, cache.num_blocks, inner))
+                            for index in itertools.product(*map(range, sub.shape[:-2]))]
         else:
-            out.append([shaped.view(math.prod(alloc.sizes[:k]), cache.num_blocks, inner)])
+            layer = alloc.index.get("L")
+            out.append((layer, shaped.view(math.prod(alloc.sizes[:k]), cache.num_blocks, inner)))
     return out
 
 
@@ -420,8 +429,12 @@ def _part_tensors(cache: KVCache, layers: Sequence[int]) -> list[list[torch.Tens
 
 def _index_pairs(t: Transfer, src: KVCache, dst: KVCache) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
     """(source view, destination view, block dim) pairs for one indexed copy each."""
-    if src.layout.name == dst.layout.name and t.layers is None:
-        return [(s, d, 1) for rs, rd in zip(_block_rows(src), _block_rows(dst)) for s, d in zip(rs, rd)]
+    if src.layout.name == dst.layout.name:
+        rows = list(zip(_block_rows(src), _block_rows(dst)))
+        if t.layers is None:
+            return [(s, d, 1) for (_, s), (_, d) in rows]
+        if all(layer is not None for (layer, _), _ in rows):  # each layer has its own rows
+            return [(s, d, 1) for (layer, s), (_, d) in rows if layer in t.layers]
     layers = range(src.geometry.num_layers) if t.layers is None else t.layers
     return [(s, d, 0) for rs, rd in zip(_part_tensors(src, layers), _part_tensors(dst, layers)) for s, d in zip(rs, rd)]
 
@@ -433,7 +446,8 @@ def _staged(t: Transfer, kernel: Callable[[KVCache, KVCache], None]) -> None:
         return
     non_blocking = t.device.type != "cpu"
     if _device_of(t.src) == t.device:  # offload: kernel into a device copy of dst, then one copy per tensor
-        stage = replace(t.dst, storage=[torch.empty_like(x, device=t.device) for x in t.dst.storage])
+        # start from the destination's bytes: blocks the kernel does not write must survive
+        stage = replace(t.dst, storage=[x.to(t.device, copy=True) for x in t.dst.storage])
         kernel(t.src, stage)
         for host, dev in zip(t.dst.storage, stage.storage):
             host.copy_(dev, non_blocking=non_blocking)
@@ -445,12 +459,18 @@ def _staged(t: Transfer, kernel: Callable[[KVCache, KVCache], None]) -> None:
 def _gather(t: Transfer) -> None:
     def kernel(src: KVCache, dst: KVCache) -> None:
         device = _device_of(src)
+        src, dst = _as_ints(src), _as_ints(dst)  # bitwise, and fp8 has no index_copy_ kernel on CPU
         sb = torch.as_tensor(t.src_blocks, dtype=torch.int64, device=device)
         db = torch.as_tensor(t.dst_blocks, dtype=torch.int64, device=device)
         packed = len(t.dst_blocks) and t.dst_blocks == list(range(t.dst_blocks[0], t.dst_blocks[0] + len(t.dst_blocks)))
         loaded = len(t.src_blocks) and t.src_blocks == list(range(t.src_blocks[0], t.src_blocks[0] + len(t.src_blocks)))
         jobs = []
-        for s, d, dim in _index_pairs(t, src, dst):
+        # views are cut once per pair of storages (the views keep them alive, so an
+        # address cannot be reused by a new storage while it is a key)
+        key = tuple((x.data_ptr(), x.numel()) for x in src.storage + dst.storage)
+        if key not in t._pairs:
+            t._pairs = {key: _index_pairs(t, src, dst)}
+        for s, d, dim in t._pairs[key]:
             if packed and dim == 1 and d.shape[0] == 1:  # gather straight into a packed destination
                 first = t.dst_blocks[0]
                 jobs.append(functools.partial(torch.index_select, s[0], 0, sb, out=d[0, first:first + len(sb)]))
@@ -549,6 +569,9 @@ def _lmcache_status(src: KVCache, dst: KVCache) -> str | None:
             f"({', '.join(_LMCACHE_PAGED)}) to or from a KV_2LTD / KV_MLA_FMT chunk, "
             f"not {src.layout.name} -> {dst.layout.name}"
         )
+    if src.geometry.itemsize == 1 and "cpu" == _device_of(src).type == _device_of(dst).type:
+        return "LMCache's CPU fallback cannot copy fp8 caches (torch has no CPU index_copy_ for float8)"
+    os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
     try:
         import lmcache  # noqa: F401
         from lmcache import device_ops  # noqa: F401
