@@ -278,7 +278,7 @@ PROFILES: dict[str, dict[str, Any]] = {
     "full": {"models": ["llama-3.1-8b", "qwen3-8b", "qwen3-30b-a3b", "deepseek-r1-distill-qwen-1.5b",
                         "smollm2-135m", "deepseek-v2-lite"],
              "tokens": [256], "layouts": ["LBHNC", "LHBNC", "BLHNC", "ascend_kv_tuple"],
-             "methods": list(METHODS + PEERS), "repeats": 5, "chunks": True, "extra_tokens": [64, 1024]},
+             "methods": list(METHODS + PEERS), "repeats": 9, "chunks": True, "extra_tokens": [64, 1024]},
     # one GPU, torch only, under four minutes
     "gpu": {"models": ["llama-3.1-8b", "qwen3-30b-a3b", "deepseek-r1-distill-qwen-1.5b", "deepseek-v2-lite"],
             "tokens": [1024], "layouts": ["LBHNC", "BLHNC", "ascend_kv_tuple"],
@@ -408,12 +408,15 @@ def pipeline_timing(geometry: ModelGeometry, tokens: int, intensities: Sequence[
     clock = _Clock(device)
     load_s = statistics.median(clock(whole.run) for _ in range(3))
     per_layer_load = load_s / geometry.num_layers
-    # the widest matmul that still divides one layer's load time into a few steps
-    for hidden in (64, 128, 256, 512, 1024, 2048, 4096):
-        compute = _stand_in_compute(tokens, hidden, device)
-        one_matmul = statistics.median(clock(lambda: compute(1)) for _ in range(5))
-        if one_matmul > per_layer_load / 4:
+    # the widest matmul that still cuts one layer's load time into at least 8 steps
+    chosen = None
+    for hidden in (32, 64, 128, 256, 512, 1024, 2048, 4096):
+        candidate = _stand_in_compute(tokens, hidden, device)
+        seconds = statistics.median(clock(lambda: candidate(1)) for _ in range(5))
+        if chosen is not None and seconds > per_layer_load / 8:
             break
+        chosen = (hidden, candidate, seconds)
+    hidden, compute, one_matmul = chosen
     rows = []
     for intensity in intensities:
         times = max(0, round(intensity * per_layer_load / one_matmul))
@@ -430,16 +433,25 @@ def pipeline_timing(geometry: ModelGeometry, tokens: int, intensities: Sequence[
                 compute(times)
             layerwise.finish()
 
-        seq = [clock(sequential) for _ in range(repeats)]
-        pipe = [clock(pipelined) for _ in range(repeats)]
-        compute_s = statistics.median(clock(lambda: compute(times)) for _ in range(3)) * geometry.num_layers
+        def compute_only() -> None:
+            for _ in range(geometry.num_layers):
+                compute(times)
+
+        # all four timed in turn within each repeat, so they see the same machine
+        timed: dict[str, list[float]] = {"sequential": [], "layerwise": [], "compute": [], "load": []}
+        for _ in range(repeats):
+            for name, fn in (("sequential", sequential), ("layerwise", pipelined), ("compute", compute_only),
+                             ("load", whole.run)):
+                timed[name].append(clock(fn))
+        seq, pipe, compute_s, load_once = (statistics.median(timed[k]) for k in ("sequential", "layerwise", "compute", "load"))
+        overlapped = max(load_once, compute_s) + min(load_once, compute_s) / geometry.num_layers
         rows.append({
             "record": "row", "kind": "layerwise", "model": geometry.name, "num_layers": geometry.num_layers,
             "tokens": tokens, "method": method, "intensity": intensity, "matmuls_per_layer": times, "hidden": hidden,
-            "load_s": load_s, "compute_s": compute_s,
-            "sequential_s": statistics.median(seq), "layerwise_s": statistics.median(pipe),
-            "speedup": statistics.median(seq) / statistics.median(pipe),
-            "ideal_speedup": (load_s + compute_s) / (max(load_s, compute_s) + min(load_s, compute_s) / geometry.num_layers),
+            "load_s": load_once, "compute_s": compute_s, "sequential_s": seq, "layerwise_s": pipe,
+            "speedup": seq / pipe,
+            # perfect overlap: the longer of load and compute, plus one layer of the shorter
+            "ideal_speedup": (load_once + compute_s) / overlapped,
             "repeats": repeats, "status": "ok",
         })
     return rows
