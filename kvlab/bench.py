@@ -28,9 +28,9 @@ import torch
 
 from kvlab.devices import resolve_device, synchronize
 from kvlab.geometry import ModelGeometry, resolve_model
-from kvlab.layouts import KVCache, allocate, get_layout
+from kvlab.layouts import allocate, compatible_layouts, get_layout
 from kvlab.segments import contiguous_block_ids, scattered_block_ids
-from kvlab.transfer import METHODS, PEERS, LayerwiseLoad, Transfer, _copy_stream, chunk_buffer, host_buffer, method_status
+from kvlab.transfer import METHODS, PEERS, LayerwiseLoad, Transfer, chunk_buffer, copy_stream, host_buffer, method_status
 
 DIRECTIONS = ("offload", "load")
 MAX_SEGMENTS = 65536  # the segments method beyond this takes seconds per call: recorded, not timed
@@ -125,7 +125,7 @@ class _Clock:
             fn()
             return time.perf_counter() - start
         module = getattr(torch, self.device.type)
-        stream = _copy_stream(self.device)
+        stream = copy_stream(self.device)
         synchronize(self.device)
         begin, end = module.Event(enable_timing=True), module.Event(enable_timing=True)
         begin.record(stream)
@@ -146,7 +146,7 @@ def ceiling_copy(nbytes: int, direction: str, device: torch.device) -> Callable[
     if device.type == "cpu":
         return lambda: dst.copy_(src)
     module = getattr(torch, device.type)
-    stream = _copy_stream(device)
+    stream = copy_stream(device)
 
     def copy() -> None:
         with module.stream(stream):
@@ -312,8 +312,6 @@ def configs(profile: dict[str, Any], dtype: str | None = None, block_size: int =
 
 
 def _fits(layout: str, geometry: ModelGeometry) -> bool:
-    from kvlab.layouts import compatible_layouts
-
     return get_layout(layout).name in compatible_layouts(geometry)
 
 

@@ -79,7 +79,8 @@ def run_bench(args: argparse.Namespace) -> None:
                        ("layouts", _csv(args.layouts)), ("methods", _csv(args.methods))):
         if value is not None:
             profile[key] = value
-            profile.pop("extra_tokens", None) if key in ("models", "tokens") else None
+            if key in ("models", "tokens"):  # the sizes asked for, and only those
+                profile.pop("extra_tokens", None)
     if any(t <= 0 for t in profile["tokens"]):
         raise ValueError(f"--tokens must be positive, got {profile['tokens']}")
     for layout in profile["layouts"]:

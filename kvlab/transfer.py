@@ -181,7 +181,8 @@ def _same_kv(a: ModelGeometry, b: ModelGeometry) -> bool:
 
 
 @functools.cache
-def _copy_stream(device: torch.device):
+def copy_stream(device: torch.device):
+    """The dedicated copy stream of an accelerator (one per device, made on first use)."""
     return getattr(torch, device.type).Stream(device)
 
 
@@ -307,7 +308,7 @@ class Transfer:
             execute(self)
             return self
         module = getattr(torch, self.device.type)
-        stream = _copy_stream(self.device)
+        stream = copy_stream(self.device)
         stream.wait_stream(module.current_stream(self.device))
         with module.stream(stream):
             execute(self)
