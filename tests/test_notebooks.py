@@ -37,3 +37,26 @@ def test_explorer_widget_updates():
     block_size.value = 64
     assert "ascend_mla_tuple: 7.6 MiB in 216 segments" in numbers.value
     assert picture.value != before
+
+
+def test_figures_redraw_from_committed_results(tmp_path):
+    """`make figures`: notebook 02 measures nothing and draws every figure from data/results."""
+    import shutil
+
+    from kvlab.notebooks import NOTEBOOKS_DIR
+
+    committed = sorted((NOTEBOOKS_DIR.parent / "data" / "results").glob("02_*.jsonl"))
+    assert committed, "the committed transfer results are missing"
+    (tmp_path / "results").mkdir()
+    for path in committed:
+        shutil.copy(path, tmp_path / "results")
+    run_notebooks(quick=True, only=["02_transfer_timing"], out=tmp_path, measure=False)
+    assert sorted(p.name for p in (tmp_path / "results").iterdir()) == sorted(p.name for p in committed)
+    assert len(list((tmp_path / "figures").glob("02_*.svg"))) == 6
+
+
+def test_figures_without_results_is_a_clear_error(tmp_path):
+    from papermill.exceptions import PapermillExecutionError
+
+    with pytest.raises(PapermillExecutionError, match="no 02_transfer-"):
+        run_notebooks(quick=True, only=["02_transfer_timing"], out=tmp_path, measure=False)
