@@ -114,15 +114,20 @@ def fingerprint(device: str | torch.device = "auto") -> dict[str, Any]:
 
 
 class _Clock:
-    """Seconds one call takes: device events on an accelerator, the wall clock on the CPU."""
+    """Seconds one call takes: events on the copy stream of an accelerator (what a copy
+    costs on the device), the wall clock on the CPU. ``whole_device`` times everything
+    queued on the device (several streams) between two synchronisations instead."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, whole_device: bool = False) -> None:
         self.device = device
+        self.whole_device = whole_device
 
     def __call__(self, fn: Callable[[], Any]) -> float:
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" or self.whole_device:
+            synchronize(self.device)
             start = time.perf_counter()
             fn()
+            synchronize(self.device)
             return time.perf_counter() - start
         module = getattr(torch, self.device.type)
         stream = copy_stream(self.device)
@@ -230,7 +235,7 @@ def measure(config: Config, device: torch.device, repeats: int, setup: _Setup, s
         return {**row, "status": f"unavailable: {problem}"}
     src_ids, dst_ids = (setup.ids, None) if config.direction == "offload" else (list(range(len(setup.ids))), setup.ids)
     started = time.perf_counter()
-    transfer = Transfer(src, src_ids, dst, dst_ids, config.method)
+    transfer = Transfer(src, src_ids, dst, dst_ids, config.method, blocking=device.type == "cpu")
     plan = transfer.plan
     plan_s = time.perf_counter() - started
     if config.method == "segments" and plan.segments > MAX_SEGMENTS:
@@ -320,6 +325,7 @@ def run_sweep(configurations: Sequence[Config], device: str | torch.device = "au
     """Measure every configuration (progress bar), append the results to ``out`` (JSONL)."""
     device = resolve_device(device)
     run = {"record": "run", "run_id": uuid.uuid4().hex[:12], **fingerprint(device)}
+    append_results(out, [run])
     rows = []
     setups: dict[tuple, _Setup] = {}
     for config in _progress(list(configurations), "transfer sweep"):
@@ -328,17 +334,19 @@ def run_sweep(configurations: Sequence[Config], device: str | torch.device = "au
             setups.clear()  # one set of caches at a time: memory stays bounded
             setups[key] = _Setup(config, device, seed)
         rows.append({"run_id": run["run_id"], **measure(config, device, repeats, setups[key], seed)})
+        append_results(out, rows[-1:])  # row by row: a run cut short keeps what it measured
     setups.clear()
-    if out is not None:
-        append_results(out, run, rows)
     return rows
 
 
-def append_results(path: str | Path, run: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+def append_results(path: str | Path | None, records: list[dict[str, Any]]) -> None:
+    """Append records to a JSONL file (nothing when ``path`` is None)."""
+    if path is None:
+        return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as f:
-        for record in [run, *rows]:
+        for record in records:
             f.write(json.dumps(record, sort_keys=True) + "\n")
 
 
@@ -403,7 +411,7 @@ def pipeline_timing(geometry: ModelGeometry, tokens: int, intensities: Sequence[
         t.view(torch.uint8).fill_(5)
     whole = Transfer(buffer, list(range(blocks)), cache, ids, method)
     layerwise = LayerwiseLoad(buffer, cache, ids, method=method)
-    clock = _Clock(device)
+    clock = _Clock(device, whole_device=True)  # compute and copies run on different streams
     load_s = statistics.median(clock(whole.run) for _ in range(3))
     per_layer_load = load_s / geometry.num_layers
     # the widest matmul that still cuts one layer's load time into at least 8 steps
@@ -460,13 +468,13 @@ def run_pipeline_sweep(models: Sequence[str], tokens: Sequence[int], intensities
                        out: str | Path | None = None) -> list[dict[str, Any]]:
     device = resolve_device(device)
     run = {"record": "run", "run_id": uuid.uuid4().hex[:12], **fingerprint(device)}
+    append_results(out, [run])
     rows = []
     for model, count in _progress([(m, t) for m in models for t in tokens], "layerwise sweep"):
         geometry = resolve_model(model)
-        for row in pipeline_timing(geometry, count, intensities, device, repeats):
-            rows.append({"run_id": run["run_id"], **row})
-    if out is not None:
-        append_results(out, run, rows)
+        measured = [{"run_id": run["run_id"], **row} for row in pipeline_timing(geometry, count, intensities, device, repeats)]
+        append_results(out, measured)
+        rows += measured
     return rows
 
 
@@ -475,13 +483,14 @@ def _slug(text: str) -> str:
     return "-".join(part for part in keep.split("-") if part)[:60]
 
 
-def default_results_path(stem: str, device: str | torch.device = "auto") -> Path:
-    """``data/results/<stem>-<hardware>.jsonl`` in the project checkout (else the working
-    directory): one file per machine, appended run after run."""
+def default_results_path(stem: str, device: str | torch.device = "auto", results_dir: str | Path | None = None) -> Path:
+    """``<results_dir>/<stem>-<hardware>.jsonl``, by default in the checkout's data/results
+    (else the working directory's): one file per machine, appended run after run."""
     device = resolve_device(device)
-    root = Path(__file__).resolve().parent.parent
-    base = root / "data" / "results" if (root / "pyproject.toml").exists() else Path("data") / "results"
-    return base / f"{stem}-{_slug(device.type + ' ' + device_name(device))}.jsonl"
+    if results_dir is None:
+        root = Path(__file__).resolve().parent.parent
+        results_dir = root / "data" / "results" if (root / "pyproject.toml").exists() else Path("data") / "results"
+    return Path(results_dir) / f"{stem}-{_slug(device.type + ' ' + device_name(device))}.jsonl"
 
 
 def format_rows(rows: Sequence[dict[str, Any]]) -> str:

@@ -88,7 +88,7 @@ def run_bench(args: argparse.Namespace) -> None:
     unknown = [m for m in profile["methods"] if m not in bench.METHODS + bench.PEERS]
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; choose from {list(bench.METHODS + bench.PEERS)}")
-    out = None if args.no_save else args.out or bench.default_results_path("02_transfer", args.device)
+    out = None if args.no_save else args.out or bench.default_results_path("02_transfer", args.device, args.results_dir)
     configs = bench.configs(profile, dtype=args.dtype, block_size=args.block_size)
     rows = bench.run_sweep(configs, args.device, repeats=args.repeats or profile["repeats"], out=out)
     print(bench.format_rows(rows))
@@ -99,7 +99,7 @@ def run_bench(args: argparse.Namespace) -> None:
 def run_layerwise(args: argparse.Namespace) -> None:
     from kvlab import bench
 
-    out = None if args.no_save else args.out or bench.default_results_path("02_layerwise", args.device)
+    out = None if args.no_save else args.out or bench.default_results_path("02_layerwise", args.device, args.results_dir)
     rows = bench.run_pipeline_sweep(_csv(args.model), _csv(args.tokens, int), _csv(args.intensities, float),
                                     args.device, args.repeats, out=out)
     for row in rows:
@@ -146,6 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--device", default="auto", help="auto, cpu, cuda or npu")
     bench.add_argument("--repeats", type=int, default=None)
     bench.add_argument("--out", default=None, help="JSONL file to append to (default data/results/02_transfer-<hardware>.jsonl)")
+    bench.add_argument("--results-dir", default=None, help="where the default-named JSONL goes (default data/results)")
     bench.add_argument("--no-save", action="store_true", help="print only")
 
     lw = sub.add_parser("layerwise", help="layer-by-layer loading overlapped with compute, against load-then-compute")
@@ -155,6 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     lw.add_argument("--device", default="auto")
     lw.add_argument("--repeats", type=int, default=5)
     lw.add_argument("--out", default=None, help="JSONL file (default data/results/02_layerwise-<hardware>.jsonl)")
+    lw.add_argument("--results-dir", default=None, help="where the default-named JSONL goes (default data/results)")
     lw.add_argument("--no-save", action="store_true")
 
     args = parser.parse_args(argv)

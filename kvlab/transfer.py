@@ -456,8 +456,11 @@ def _staged(t: Transfer, kernel: Callable[[KVCache, KVCache], None]) -> None:
         return
     non_blocking = t.device.type != "cpu"
     if _device_of(t.src) == t.device:  # offload: kernel into a device copy of dst, then one copy per tensor
-        # start from the destination's bytes: blocks the kernel does not write must survive
-        stage = replace(t.dst, storage=[x.to(t.device, copy=True) for x in t.dst.storage])
+        # a destination the copy fills completely needs no upload; otherwise start from its
+        # bytes, so blocks the kernel does not write survive the copy back
+        covered = t.layers is None and sorted(t.dst_blocks) == list(range(t.dst.num_blocks))
+        stage = replace(t.dst, storage=[torch.empty_like(x, device=t.device) if covered else
+                                        x.to(t.device, non_blocking=non_blocking, copy=True) for x in t.dst.storage])
         kernel(t.src, stage)
         for host, dev in zip(t.dst.storage, stage.storage):
             host.copy_(dev, non_blocking=non_blocking)

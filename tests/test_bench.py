@@ -119,3 +119,14 @@ def test_layerwise_rows(tmp_path):
     rows = bench.pipeline_timing(SMALL, 64, [0.5, 2], "cpu", repeats=1)
     assert [r["intensity"] for r in rows] == [0.5, 2]
     assert all(r["sequential_s"] > 0 and r["layerwise_s"] > 0 and r["speedup"] > 0 for r in rows)
+
+
+def test_rows_are_written_as_measured(tmp_path):
+    """A sweep cut short (the GPU script runs under a timeout) keeps the rows it measured."""
+    out = bench.default_results_path("02_transfer", "cpu", tmp_path)
+    assert out.parent == tmp_path and out.name.startswith("02_transfer-cpu-")
+    configs = [bench.Config(SMALL, "LBHNC", "segments", "offload", 32)] * 2 + [bench.Config(SMALL, "XYZ", "gather", "load", 32)]
+    with pytest.raises(ValueError, match="unknown layout"):
+        bench.run_sweep(configs, "cpu", repeats=1, out=out)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["record"] for r in records] == ["run", "row", "row"]
