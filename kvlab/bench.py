@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from kvlab.devices import resolve_device, synchronize
-from kvlab.geometry import ModelGeometry, resolve_model
+from kvlab.geometry import ModelGeometry, dtype_name, resolve_model
 from kvlab.layouts import allocate, compatible_layouts, get_layout
 from kvlab.segments import contiguous_block_ids, scattered_block_ids
 from kvlab.transfer import METHODS, PEERS, LayerwiseLoad, Transfer, chunk_buffer, copy_stream, host_buffer, method_status
@@ -189,11 +189,23 @@ class Config:
     block_ids: str = "scattered"
     target: str = "host"
 
+    def __post_init__(self) -> None:
+        if get_layout(self.layout).is_chunk_format:
+            raise ValueError(f"{self.layout} is an LMCache chunk format, not a paged cache: use it as a target")
+        if self.target != "host" and not get_layout(self.target).is_chunk_format:
+            raise ValueError(f"target must be 'host' or an LMCache chunk format, not {self.target!r}")
+        if self.direction not in DIRECTIONS:
+            raise ValueError(f"direction must be one of {DIRECTIONS}, not {self.direction!r}")
+        if self.block_ids not in ("scattered", "contiguous"):
+            raise ValueError(f"block_ids must be 'scattered' or 'contiguous', not {self.block_ids!r}")
+        if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens <= 0:
+            raise ValueError(f"tokens must be a positive integer, got {self.tokens!r}")
+
     def describe(self) -> dict[str, Any]:
         layout = get_layout(self.layout)
         return {
             "model": self.geometry.name,
-            "dtype": str(self.geometry.dtype).removeprefix("torch."),
+            "dtype": dtype_name(self.geometry.dtype),
             "block_size": self.geometry.block_size,
             "num_layers": self.geometry.num_layers,
             "layout": layout.name,
@@ -299,7 +311,8 @@ def configs(profile: dict[str, Any], dtype: str | None = None, block_size: int =
     for model_index, model in enumerate(profile["models"]):
         geometry = resolve_model(model, dtype=dtype, block_size=block_size)
         twins = {"ascend_kv_tuple": "ascend_mla_tuple"} if geometry.is_mla else {}
-        layouts = [twins.get(l, l) for l in profile["layouts"] if _fits(twins.get(l, l), geometry)]
+        fitting = compatible_layouts(geometry)
+        layouts = [twins.get(l, l) for l in profile["layouts"] if get_layout(twins.get(l, l)).name in fitting]
         tokens = list(profile["tokens"]) + (profile.get("extra_tokens", []) if model_index == 0 else [])
         for count in sorted(set(tokens)):
             for layout in layouts:
@@ -316,16 +329,12 @@ def configs(profile: dict[str, Any], dtype: str | None = None, block_size: int =
     return out
 
 
-def _fits(layout: str, geometry: ModelGeometry) -> bool:
-    return get_layout(layout).name in compatible_layouts(geometry)
-
-
 def run_sweep(configurations: Sequence[Config], device: str | torch.device = "auto", repeats: int = 7,
               seed: int = 0, out: str | Path | None = None) -> list[dict[str, Any]]:
     """Measure every configuration (progress bar), append the results to ``out`` (JSONL)."""
     device = resolve_device(device)
-    run = {"record": "run", "run_id": uuid.uuid4().hex[:12], **fingerprint(device)}
-    append_results(out, [run])
+    _check_repeats(repeats)
+    run = _start_run(device, out)
     rows = []
     setups: dict[tuple, _Setup] = {}
     for config in _progress(list(configurations), "transfer sweep"):
@@ -337,6 +346,18 @@ def run_sweep(configurations: Sequence[Config], device: str | torch.device = "au
         append_results(out, rows[-1:])  # row by row: a run cut short keeps what it measured
     setups.clear()
     return rows
+
+
+def _check_repeats(repeats: int) -> None:
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
+
+
+def _start_run(device: torch.device, out: str | Path | None) -> dict[str, Any]:
+    """A new run record with this machine's fingerprint, written to ``out`` first."""
+    run = {"record": "run", "run_id": uuid.uuid4().hex[:12], **fingerprint(device)}
+    append_results(out, [run])
+    return run
 
 
 def append_results(path: str | Path | None, records: list[dict[str, Any]]) -> None:
@@ -368,9 +389,12 @@ def load_results(paths: Iterable[str | Path], latest: bool = True) -> list[dict[
                 runs[record["run_id"]] = record
             else:
                 file_rows.append(record)
-        if latest:
+        if latest:  # the newest run of each machine that measured something
+            measured = {r.get("run_id") for r in file_rows}
             newest: dict[str, str] = {}
             for run_id, run in runs.items():
+                if run_id not in measured:
+                    continue
                 if run["hardware"] not in newest or run["date"] >= runs[newest[run["hardware"]]]["date"]:
                     newest[run["hardware"]] = run_id
             keep = set(newest.values())
@@ -403,6 +427,11 @@ def pipeline_timing(geometry: ModelGeometry, tokens: int, intensities: Sequence[
     """Load everything then compute, against loading layer by layer overlapped with
     compute. ``intensity`` is one layer's compute time over one layer's load time."""
     device = resolve_device(device)
+    _check_repeats(repeats)
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
+        raise ValueError(f"tokens must be a positive integer, got {tokens!r}")
+    if not intensities or any(i < 0 for i in intensities):
+        raise ValueError(f"intensities must be compute/load ratios >= 0, got {list(intensities)}")
     blocks = -(-tokens // geometry.block_size)
     cache = allocate("LBHNC", geometry, 2 * blocks + 8, device, fill="empty")
     ids = scattered_block_ids(blocks, cache.num_blocks, seed)
@@ -467,8 +496,7 @@ def run_pipeline_sweep(models: Sequence[str], tokens: Sequence[int], intensities
                        device: str | torch.device = "auto", repeats: int = 5,
                        out: str | Path | None = None) -> list[dict[str, Any]]:
     device = resolve_device(device)
-    run = {"record": "run", "run_id": uuid.uuid4().hex[:12], **fingerprint(device)}
-    append_results(out, [run])
+    run = _start_run(device, out)
     rows = []
     for model, count in _progress([(m, t) for m in models for t in tokens], "layerwise sweep"):
         geometry = resolve_model(model)

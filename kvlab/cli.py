@@ -90,7 +90,8 @@ def run_bench(args: argparse.Namespace) -> None:
         raise ValueError(f"unknown method(s) {unknown}; choose from {list(bench.METHODS + bench.PEERS)}")
     out = None if args.no_save else args.out or bench.default_results_path("02_transfer", args.device, args.results_dir)
     configs = bench.configs(profile, dtype=args.dtype, block_size=args.block_size)
-    rows = bench.run_sweep(configs, args.device, repeats=args.repeats or profile["repeats"], out=out)
+    repeats = profile["repeats"] if args.repeats is None else args.repeats
+    rows = bench.run_sweep(configs, args.device, repeats=repeats, out=out)
     print(bench.format_rows(rows))
     if out:
         print(f"appended {len(rows)} rows to {out}")

@@ -259,8 +259,7 @@ def transfer_ratios(rows: Sequence[dict], model: str, tokens: int, block_ids: st
                 hit = [r for r in chosen if r["layout"] == layout and r["method"] == method and r["direction"] == direction]
                 if hit:
                     r = hit[0]
-                    ax.bar(i + j * width, r["ratio"], width, color=_METHOD_COLOURS[method],
-                           label=method if i == 0 or not ax.get_legend_handles_labels()[1].count(method) else None)
+                    ax.bar(i + j * width, r["ratio"], width, color=_METHOD_COLOURS[method], label=method)
                     ax.text(i + j * width, r["ratio"] + 0.02, f"{r['gbps']:.1f}", ha="center", fontsize=6, rotation=90)
         ax.axhline(1.0, color="black", lw=0.8, ls="--")
         ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(layouts))], layouts, fontsize=8)

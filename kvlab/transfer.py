@@ -108,6 +108,12 @@ class CopyPlan:
         """The columns as Python lists (what a per-segment loop iterates)."""
         return [c.tolist() for c in (self.src_tensor, self.src_offset, self.dst_tensor, self.dst_offset, self.length)]
 
+    def addresses(self, src: list[torch.Tensor], dst: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each run's raw source and destination address, given the backing tensors."""
+        src_base = torch.tensor([x.data_ptr() for x in src], dtype=torch.int64)
+        dst_base = torch.tensor([x.data_ptr() for x in dst], dtype=torch.int64)
+        return src_base[self.src_tensor] + self.src_offset, dst_base[self.dst_tensor] + self.dst_offset
+
     @functools.cached_property
     def unit(self) -> int:
         """The largest byte count dividing every offset and length: the row of the
@@ -204,16 +210,17 @@ def _run_spread(jobs: list[Callable[[], None]], device: torch.device) -> None:
         future.result()
 
 
+def _widest_width(byte_counts: Sequence[int]) -> int:
+    """The widest integer width (8, 4, 2 or 1 bytes) dividing every byte count."""
+    return next(w for w in (8, 4, 2, 1) if all(n % w == 0 for n in byte_counts))
+
+
 def _widest_int_views(*views: torch.Tensor) -> list[torch.Tensor]:
     """The views reinterpreted as the widest integer type all of them allow (their last
     dim contiguous): copies stay bitwise, fp8 gets kernels it lacks, and CPU indexed
     copies run 2-3x faster on int32/int64 than on 16-bit types."""
     item = views[0].element_size()
-
-    def fits(x: torch.Tensor, width: int) -> bool:
-        return all((n * item) % width == 0 for n in (x.shape[-1], x.storage_offset(), *x.stride()[:-1]))
-
-    width = next(w for w in (8, 4, 2, 1) if w >= item and all(fits(x, w) for x in views))
+    width = _widest_width([n * item for x in views for n in (x.shape[-1], x.storage_offset(), *x.stride()[:-1])])
     return [x.view(_INT_VIEW[item]).view(_INT_VIEW[width]) for x in views]
 
 
@@ -400,16 +407,17 @@ def _segments(t: Transfer) -> None:
         dst[dt][do:do + n].copy_(src[st][so:so + n], non_blocking=non_blocking)
 
 
-def _block_rows(cache: KVCache) -> list[tuple[int | None, torch.Tensor]]:
-    """Each backing tensor as (layer, [outer, block, inner] view) pairs: one per layer when
-    the layer axis lies outside the block axis (an indexed copy then moves one layer's
-    blocks), else one for all layers (layer None)."""
+def _block_rows(cache: KVCache, per_layer: bool = True) -> list[tuple[int | None, torch.Tensor]]:
+    """Each backing tensor as (layer, [outer, block, inner] view) pairs. With ``per_layer``
+    and the layer axis outside the block axis, one pair per layer (an indexed copy then
+    moves one layer's blocks); else one pair for the whole tensor (layer None unless the
+    tensor is a single layer's)."""
     out = []
     for alloc, tensor in zip(allocations(cache.layout, cache.geometry, cache.num_blocks), cache.storage):
         shaped = tensor.view(alloc.sizes)
         axes, k = alloc.axes, alloc.axes.index("B")
         inner = math.prod(alloc.sizes[k + 1:])
-        if "L" in axes[:k]:
+        if per_layer and "L" in axes[:k]:
             li = axes.index("L")
             for layer in range(alloc.sizes[li]):
                 sub = shaped.select(li, layer).flatten(k)  # [*outer, block, inner], a view
@@ -419,17 +427,7 @@ def _block_rows(cache: KVCache) -> list[tuple[int | None, torch.Tensor]]:
                     out += [(layer, sub[index].view(1, cache.num_blocks, inner))
                             for index in itertools.product(*map(range, sub.shape[:-2]))]
         else:
-            layer = alloc.index.get("L")
-            out.append((layer, shaped.view(math.prod(alloc.sizes[:k]), cache.num_blocks, inner)))
-    return out
-
-
-def _whole_rows(cache: KVCache) -> list[torch.Tensor]:
-    """Each backing tensor as one [outer, block, inner] view, whatever the layer axis."""
-    out = []
-    for alloc, tensor in zip(allocations(cache.layout, cache.geometry, cache.num_blocks), cache.storage):
-        k = alloc.axes.index("B")
-        out.append(tensor.view(math.prod(alloc.sizes[:k]), cache.num_blocks, math.prod(alloc.sizes[k + 1:])))
+            out.append((alloc.index.get("L"), shaped.view(math.prod(alloc.sizes[:k]), cache.num_blocks, inner)))
     return out
 
 
@@ -454,9 +452,8 @@ def _index_pairs(t: Transfer, src: KVCache, dst: KVCache, gather: bool) -> list[
     layer's slice); scattering into a cache goes one index_copy_ per backing tensor over
     all its layers (measured faster on CPUs than one per layer)."""
     if src.layout.name == dst.layout.name:
-        if t.layers is None and not gather:
-            return [(s, d, 1) for s, d in zip(_whole_rows(src), _whole_rows(dst))]
-        rows = list(zip(_block_rows(src), _block_rows(dst)))
+        per_layer = gather or t.layers is not None
+        rows = list(zip(_block_rows(src, per_layer), _block_rows(dst, per_layer)))
         if t.layers is None:
             return [(s, d, 1) for (_, s), (_, d) in rows]
         if all(layer is not None for (layer, _), _ in rows):  # each layer has its own rows
@@ -548,7 +545,7 @@ def _row_groups(plan: CopyPlan, unit: int) -> dict[tuple[int, int], tuple[torch.
 def _compiled(t: Transfer) -> None:
     def kernel(src: KVCache, dst: KVCache) -> None:
         unit = math.gcd(t.plan.unit, *(x.numel() * x.element_size() for x in src.storage + dst.storage))
-        width = next(w for w in (8, 4, 2, 1) if unit % w == 0)
+        width = _widest_width([unit])
 
         def as_rows(x: torch.Tensor) -> torch.Tensor:
             return x.view(-1).view(torch.uint8).view(_INT_VIEW[width]).view(-1, unit // width)
@@ -565,17 +562,8 @@ def _compiled(t: Transfer) -> None:
 def _triton(t: Transfer) -> None:
     from kvlab import kernels
 
-    plan = t.plan
-    if not plan.segments:
-        return
-    src_ptr = torch.tensor([x.data_ptr() for x in t.src.storage], dtype=torch.int64)
-    dst_ptr = torch.tensor([x.data_ptr() for x in t.dst.storage], dtype=torch.int64)
-    kernels.copy_runs(
-        src_ptr[plan.src_tensor] + plan.src_offset,
-        dst_ptr[plan.dst_tensor] + plan.dst_offset,
-        plan.length,
-        t.device,
-    )
+    if t.plan.segments:
+        kernels.copy_runs(*t.plan.addresses(t.src.storage, t.dst.storage), t.plan.length, t.device)
 
 
 _EXECUTORS: dict[str, Callable[[Transfer], None]] = {
@@ -664,11 +652,7 @@ def _vllm_status(accelerator: str) -> str | None:
 def _vllm(t: Transfer) -> None:
     from vllm import _custom_ops as ops
 
-    plan = t.plan
-    src_ptr = torch.tensor([x.data_ptr() for x in t.src.storage], dtype=torch.int64)
-    dst_ptr = torch.tensor([x.data_ptr() for x in t.dst.storage], dtype=torch.int64)
-    ops.swap_blocks_batch(src_ptr[plan.src_tensor] + plan.src_offset, dst_ptr[plan.dst_tensor] + plan.dst_offset,
-                          plan.length.clone())
+    ops.swap_blocks_batch(*t.plan.addresses(t.src.storage, t.dst.storage), t.plan.length.clone())
 
 
 _EXECUTORS.update({"lmcache": _lmcache, "vllm": _vllm})
@@ -702,13 +686,8 @@ class LayerwiseLoad:
     def start(self) -> LayerwiseLoad:
         for done in self._done:
             done.clear()
-        if self.transfers[0].device.type != "cpu":
-            for transfer, done in zip(self.transfers, self._done):
-                transfer.run()
-                done.set()
-            return self
 
-        def worker() -> None:
+        def issue() -> None:
             try:
                 for transfer, done in zip(self.transfers, self._done):
                     transfer.run()
@@ -718,8 +697,11 @@ class LayerwiseLoad:
                 for done in self._done:
                     done.set()
 
-        self._thread = threading.Thread(target=worker, name="kvlab-layerwise", daemon=True)
-        self._thread.start()
+        if self.transfers[0].device.type != "cpu":  # queued on the copy stream: returns at once
+            issue()
+        else:
+            self._thread = threading.Thread(target=issue, name="kvlab-layerwise", daemon=True)
+            self._thread.start()
         return self
 
     def wait(self, layer: int) -> None:

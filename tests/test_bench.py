@@ -125,8 +125,36 @@ def test_rows_are_written_as_measured(tmp_path):
     """A sweep cut short (the GPU script runs under a timeout) keeps the rows it measured."""
     out = bench.default_results_path("02_transfer", "cpu", tmp_path)
     assert out.parent == tmp_path and out.name.startswith("02_transfer-cpu-")
-    configs = [bench.Config(SMALL, "LBHNC", "segments", "offload", 32)] * 2 + [bench.Config(SMALL, "XYZ", "gather", "load", 32)]
-    with pytest.raises(ValueError, match="unknown layout"):
+    configs = [bench.Config(SMALL, "LBHNC", "segments", "offload", 32)] * 2 + [bench.Config(SMALL, "LBHNC", "nosuch", "load", 32)]
+    with pytest.raises(ValueError, match="unknown method"):
         bench.run_sweep(configs, "cpu", repeats=1, out=out)
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["record"] for r in records] == ["run", "row", "row"]
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"layout": "KV_2LTD"}, "chunk format, not a paged cache"),
+    ({"target": "LBHNC"}, "target must be 'host' or an LMCache chunk format"),
+    ({"direction": "sideways"}, "direction must be one of"),
+    ({"block_ids": "random"}, "block_ids must be"),
+    ({"tokens": 0}, "tokens must be a positive integer"),
+])
+def test_config_bad_input(changes, message):
+    with pytest.raises(ValueError, match=message):
+        bench.Config(**{"geometry": SMALL, "layout": "LBHNC", "method": "gather", "direction": "load",
+                        "tokens": 32, **changes})
+
+
+def test_bad_repeats_and_intensities(tmp_path):
+    with pytest.raises(ValueError, match="repeats must be a positive integer"):
+        bench.run_sweep([bench.Config(SMALL, "LBHNC", "gather", "load", 32)], "cpu", repeats=0)
+    with pytest.raises(ValueError, match="intensities must be"):
+        bench.pipeline_timing(SMALL, 32, [-1], "cpu")
+
+
+def test_a_run_that_measured_nothing_does_not_hide_the_last_one(tmp_path):
+    out = tmp_path / "r.jsonl"
+    bench.run_sweep([bench.Config(SMALL, "LBHNC", "segments", "offload", 32)], "cpu", repeats=1, out=out)
+    with pytest.raises(ValueError):
+        bench.run_sweep([bench.Config(SMALL, "LBHNC", "nosuch", "offload", 32)], "cpu", repeats=1, out=out)
+    assert len(bench.load_results([out])) == 1
