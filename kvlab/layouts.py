@@ -484,6 +484,12 @@ def allocate(
     if fill == "arange":
         for alloc, tensor in zip(allocs, storage):
             tensor.copy_(torch.arange(alloc.numel, device=device).reshape(alloc.sizes).to(geometry.dtype))
+    return _wrap(layout, geometry, num_blocks, allocs, storage)
+
+
+def _wrap(layout: Layout, geometry: ModelGeometry, num_blocks: int, allocs: list[Allocation],
+          storage: list[torch.Tensor]) -> KVCache:
+    """Cut each layer's view out of backing tensors shaped as ``allocs``."""
     views: dict[str, list[torch.Tensor]] = {}
     for alloc, tensor in zip(allocs, storage):
         sizes = axis_sizes(layout, geometry, num_blocks, alloc.index.get("S"))
@@ -503,6 +509,98 @@ def allocate(
             for a, t in zip(allocs, storage)
         ]
     return KVCache(layout, geometry, num_blocks, storage, layers)
+
+
+def from_storage(layout: str | Layout, geometry: ModelGeometry, num_blocks: int,
+                 storage: list[torch.Tensor]) -> KVCache:
+    """Wrap backing tensors someone else allocated (e.g. the cross-layer tensor vLLM
+    0.12-0.28 passes to ``register_cross_layers_kv_cache``) as a KVCache, without copying."""
+    layout = get_layout(layout)
+    allocs = allocations(layout, geometry, num_blocks)
+    if len(storage) != len(allocs):
+        raise ValueError(f"{layout.name} is backed by {len(allocs)} tensor(s), got {len(storage)}")
+    shaped = []
+    for alloc, tensor in zip(allocs, storage):
+        if tensor.dtype != geometry.dtype:
+            raise ValueError(f"{layout.name} storage has dtype {tensor.dtype}, the geometry says {geometry.dtype}")
+        if tensor.numel() != alloc.numel or not tensor.is_contiguous():
+            raise ValueError(
+                f"{layout.name} for {num_blocks} blocks needs a contiguous tensor of {alloc.numel} elements "
+                f"{alloc.sizes}, got shape {tuple(tensor.shape)} with strides {tensor.stride()}"
+            )
+        shaped.append(tensor.view(alloc.sizes))
+    return _wrap(layout, geometry, num_blocks, allocs, shaped)
+
+
+def _parts(view: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return view if isinstance(view, tuple) else (view,)
+
+
+def _root(t: torch.Tensor) -> torch.Tensor:
+    return t if t._base is None else t._base
+
+
+def _adopt_as(layout: Layout, geometry: ModelGeometry, num_blocks: int,
+              given: list[tuple[torch.Tensor, ...]]) -> KVCache | None:
+    """``given`` wrapped as ``layout`` if every view has the layout's shape, strides and
+    relative offsets and each backing tensor fits inside the given memory; else None."""
+    ref = allocate(layout, geometry, num_blocks, "meta")
+    roots = [_root(s) for s in ref.storage]
+    bases: list[tuple[torch.Tensor, int] | None] = [None] * len(roots)
+    itemsize = geometry.itemsize
+    for ref_view, real_view in zip(ref.layers.values(), given):
+        if len(_parts(ref_view)) != len(real_view):
+            return None
+        for ref_part, real in zip(_parts(ref_view), real_view):
+            if ref_part.shape != real.shape or ref_part.stride() != real.stride() or real.dtype != geometry.dtype:
+                return None
+            index = next(i for i, r in enumerate(roots) if r is _root(ref_part))
+            base = real.data_ptr() - ref_part.storage_offset() * itemsize
+            if bases[index] is None:
+                bases[index] = (real, base)
+            elif bases[index][1] != base:
+                return None
+    storage = []
+    allocs = allocations(layout, geometry, num_blocks)
+    for alloc, (real, base) in zip(allocs, bases):
+        memory = real.untyped_storage()
+        start = base - memory.data_ptr()
+        if start < 0 or start % itemsize or start + alloc.numel * itemsize > memory.nbytes():
+            return None
+        storage.append(torch.empty(0, dtype=real.dtype, device=real.device).set_(memory, start // itemsize, alloc.sizes))
+    return _wrap(layout, geometry, num_blocks, allocs, storage)
+
+
+def adopt(layers: dict[str, torch.Tensor | tuple[torch.Tensor, ...]], geometry: ModelGeometry,
+          candidates: list[str] | None = None, num_blocks: int | None = None) -> KVCache:
+    """Recognise the layout of per-layer KV views an engine hands over (vLLM's
+    ``register_kv_caches``) and wrap their memory as a KVCache, without copying.
+
+    The first of ``candidates`` (default: every paged layout that fits the geometry) whose
+    views match shape, strides and relative offsets wins; layer names are kept. Views of
+    one block-major buffer (vLLM >= 0.29 BL* layouts) come back as a cross-layer cache.
+    """
+    if len(layers) != geometry.num_layers:
+        raise ValueError(f"got KV for {len(layers)} layers, the geometry has {geometry.num_layers}")
+    given = [_parts(v) for v in layers.values()]
+    names = candidates or compatible_layouts(geometry, chunk_formats=False)
+    sizes = [num_blocks] if num_blocks else sorted(set(given[0][0].shape))
+    for name in names:
+        layout = get_layout(name)
+        for size in sizes:
+            try:
+                cache = _adopt_as(layout, geometry, size, given)
+            except ValueError:
+                cache = None
+            if cache is not None:
+                cache.layers = dict(zip(layers, cache.layers.values()))
+                return cache
+    first = given[0]
+    raise ValueError(
+        f"no kvlab layout among {names} matches these KV views (layer 0: shapes "
+        f"{[tuple(p.shape) for p in first]}, strides {[p.stride() for p in first]}, dtype {first[0].dtype}) "
+        f"for {geometry.name}"
+    )
 
 
 def address_labels(layout: str | Layout, geometry: ModelGeometry, num_blocks: int) -> dict[str, torch.Tensor]:

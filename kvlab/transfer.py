@@ -206,8 +206,20 @@ def _run_spread(jobs: list[Callable[[], None]], device: torch.device) -> None:
             job()
         return
     shares = [jobs[i::workers] for i in range(workers)]
-    for future in [_cpu_pool().submit(lambda s=s: [job() for job in s]) for s in shares]:
+    for future in [_cpu_pool().submit(_in_callers_mode(lambda s=s: [job() for job in s])) for s in shares]:
         future.result()
+
+
+def _in_callers_mode(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` for another thread, under the caller's inference mode: an engine's KV cache
+    (made under torch.inference_mode) may only be written in that mode."""
+    inference = torch.is_inference_mode_enabled()
+
+    def run() -> Any:
+        with torch.inference_mode(inference):
+            return fn()
+
+    return run
 
 
 def _widest_width(byte_counts: Sequence[int]) -> int:
@@ -700,7 +712,7 @@ class LayerwiseLoad:
         if self.transfers[0].device.type != "cpu":  # queued on the copy stream: returns at once
             issue()
         else:
-            self._thread = threading.Thread(target=issue, name="kvlab-layerwise", daemon=True)
+            self._thread = threading.Thread(target=_in_callers_mode(issue), name="kvlab-layerwise", daemon=True)
             self._thread.start()
         return self
 
