@@ -106,6 +106,8 @@ class ConnectorStats:
     hit_tokens: int = 0
     loaded_blocks: int = 0
     saved_blocks: int = 0
+    load_segments: int = 0  # contiguous runs copied (one per block for a cross-layer cache)
+    save_segments: int = 0
     load_seconds: float = 0.0
     save_seconds: float = 0.0
     load_errors: int = 0
@@ -289,11 +291,13 @@ class KVLabConnector(KVConnectorBase_V1):
                     self.stats.load_errors += 1
                     continue
                 if self.config.layerwise:
-                    self._loads.append(LayerwiseLoad(chunk.buffer, self.cache, block_ids, positions,
-                                                     self.config.method).start())
+                    load = LayerwiseLoad(chunk.buffer, self.cache, block_ids, positions, self.config.method)
+                    self._loads.append(load.start())
+                    transfers = load.transfers
                 else:
-                    Transfer(chunk.buffer, positions, self.cache, block_ids, self.config.method).run()
+                    transfers = [Transfer(chunk.buffer, positions, self.cache, block_ids, self.config.method).run()]
                 self.stats.loaded_blocks += len(block_ids)
+                self.stats.load_segments += sum(t.plan.segments for t in transfers)
         self.stats.load_seconds += time.perf_counter() - start
 
     @staticmethod
@@ -340,7 +344,8 @@ class KVLabConnector(KVConnectorBase_V1):
             self._pending_saves = [(spec, host_buffer(self.cache, len(spec.block_ids))) for spec in meta.saves]
         index = self._layer_index[layer_name]
         for spec, buffer in self._pending_saves:
-            Transfer(self.cache, spec.block_ids, buffer, method=self.config.method, layers=[index]).run()
+            transfer = Transfer(self.cache, spec.block_ids, buffer, method=self.config.method, layers=[index])
+            self.stats.save_segments += transfer.run().plan.segments
         self.stats.save_seconds += time.perf_counter() - start
 
     def wait_for_save(self) -> None:
@@ -351,11 +356,12 @@ class KVLabConnector(KVConnectorBase_V1):
             return
         start = time.perf_counter()
         if not self.config.layerwise or not self._pending_saves:
-            self._pending_saves = [
-                (spec, Transfer(self.cache, spec.block_ids, host_buffer(self.cache, len(spec.block_ids)),
-                                method=self.config.method).run().dst)
-                for spec in meta.saves
-            ]
+            self._pending_saves = []
+            for spec in meta.saves:
+                buffer = host_buffer(self.cache, len(spec.block_ids))
+                transfer = Transfer(self.cache, spec.block_ids, buffer, method=self.config.method)
+                self.stats.save_segments += transfer.run().plan.segments
+                self._pending_saves.append((spec, buffer))
         for spec, buffer in self._pending_saves:
             if self.store.put(Chunk(spec.block_keys, buffer, self._shared.signature).seal()):
                 self.stats.saved_blocks += len(spec.block_ids)

@@ -311,9 +311,11 @@ def _parse_header(data: bytes, path: Path) -> tuple[dict, int]:
         raise ValueError(f"{path} is not a kvlab chunk file")
     (length,) = struct.unpack_from("<Q", data, len(_MAGIC))
     start = len(_MAGIC) + 8
+    if length > len(data) - start:
+        raise ValueError(f"{path}: damaged header (length {length})")
     try:
         header = json.loads(data[start:start + length])
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: damaged header ({e})") from None
     return header, start + length
 
@@ -324,4 +326,6 @@ def _read_header(path: Path) -> dict:
         if len(head) < len(_MAGIC) + 8:
             raise ValueError(f"{path} is not a kvlab chunk file")
         (length,) = struct.unpack_from("<Q", head, len(_MAGIC))
+        if length > path.stat().st_size:
+            raise ValueError(f"{path}: damaged header (length {length})")
         return _parse_header(head + f.read(length), path)[0]
