@@ -1,4 +1,4 @@
-"""Command line: ``python -m kvlab layout|bench|layerwise|notebooks ...``.
+"""Command line: ``python -m kvlab layout|bench|layerwise|notebooks|models ...``.
 
 Imports torch only at start-up (matplotlib where a report needs it), so ``bench`` runs on
 a bare GPU machine.
@@ -111,6 +111,23 @@ def run_layerwise(args: argparse.Namespace) -> None:
         print(f"appended {len(rows)} rows to {out}")
 
 
+def run_models(args: argparse.Namespace) -> int:
+    """``models prepare`` builds the local model folders, ``models list`` shows them; each
+    prints one line a folder (name, state, size, path)."""
+    from kvlab import models
+    from kvlab.plotting import human_bytes
+
+    if args.action == "prepare":
+        try:
+            models.prepare_all(args.models_dir, only=args.only)
+        except (ModuleNotFoundError, FileNotFoundError) as exc:
+            print(f"kvlab: error: {exc}", file=sys.stderr)
+            return 2
+    for model in models.list_models(args.models_dir):
+        print(f"{model.name:28s} {model.state:10s} {human_bytes(model.size_bytes):>10s}  {model.path}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvlab", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -160,6 +177,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     lw.add_argument("--results-dir", default=None, help="where the default-named JSONL goes (default data/results)")
     lw.add_argument("--no-save", action="store_true")
 
+    models = sub.add_parser("models", help="prepare or list the local model folders (SmolLM2, a tiny Llama)")
+    models_sub = models.add_subparsers(dest="action", required=True)
+    prepare = models_sub.add_parser("prepare", help="build the folders that are missing (SmolLM2 from its GGUF)")
+    prepare.add_argument("--only", choices=["smollm2", "tiny"], default=None, help="one family (default: all)")
+    listing = models_sub.add_parser("list", help="which folders are prepared, where, and their size")
+    for models_parser in (prepare, listing):
+        models_parser.add_argument("--models-dir", default=None,
+                                   help="where the folders are (default $KVLAB_MODELS_DIR or data/models)")
+
     args = parser.parse_args(argv)
     try:
         if args.command == "layout":
@@ -176,6 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_bench(args)
         elif args.command == "layerwise":
             run_layerwise(args)
+        elif args.command == "models":
+            return run_models(args)
         else:
             from kvlab.notebooks import run_notebooks
 

@@ -6,6 +6,7 @@ private state, so every one can be regenerated with the same call.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -387,5 +388,36 @@ def hardware_figure(rows: Sequence[dict], model: str, tokens: int) -> plt.Figure
     ax.set_xlabel("best method's share of the machine's own copy ceiling")
     ax.set_title(f"{model}: {tokens} tokens, scattered blocks", fontsize=9)
     ax.legend(fontsize=6, loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+# --- layerwise hooks (kvlab.hooks) ------------------------------------------------------
+
+_HOOK_EVENTS = {"load_wait": ("#ff7f0e", "wait_for_layer_load"), "attention": ("#1f77b4", "attention"),
+                "save": ("#2ca02c", "save_kv_layer")}
+
+
+def hooks_timeline(rows: Sequence[dict], title: str = "") -> plt.Figure:
+    """One line per layer over time: load waits, attention and save_kv_layer calls, with a
+    tick where each save was issued. ``rows`` are kvlab.hooks.LayerTrace rows."""
+    layers = list(dict.fromkeys(r["layer"] for r in rows))
+    fig, ax = plt.subplots(figsize=(8, 0.9 + 0.3 * max(len(layers), 1)))
+    for event, (colour, label) in _HOOK_EVENTS.items():
+        picked = [r for r in rows if r["event"] == event]
+        if not picked:
+            continue
+        for i, layer in enumerate(layers):
+            spans = [(1e3 * r["start"], 1e3 * (r["end"] - r["start"])) for r in picked if r["layer"] == layer]
+            ax.broken_barh(spans, (i - 0.35, 0.7), color=colour, label=label if i == 0 else None)
+        if event == "save":
+            ax.scatter([1e3 * r["start"] for r in picked], [layers.index(r["layer"]) for r in picked],
+                       marker="|", s=120, color="black", lw=1, zorder=3, label="save issued")
+    ax.set_yticks(range(len(layers)), [re.sub(r"^model\.layers\.(\d+)\..*", r"layer \1", n) for n in layers],
+                  fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("time since the trace began (ms)")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    ax.set_title(title, fontsize=9)
     fig.tight_layout()
     return fig
