@@ -360,6 +360,15 @@ def _start_run(device: torch.device, out: str | Path | None) -> dict[str, Any]:
     return run
 
 
+def record_run(path: str | Path | None, rows: Sequence[dict[str, Any]], device: str | torch.device = "auto") -> list[dict[str, Any]]:
+    """Append a run record (this machine's fingerprint) and ``rows`` tagged with its id,
+    for results measured outside the sweep (e.g. engine timings); returns the tagged rows."""
+    run = _start_run(resolve_device(device), path)
+    tagged = [{**row, "run_id": run["run_id"]} for row in rows]
+    append_results(path, tagged)
+    return tagged
+
+
 def append_results(path: str | Path | None, records: list[dict[str, Any]]) -> None:
     """Append records to a JSONL file (nothing when ``path`` is None)."""
     if path is None:

@@ -16,9 +16,10 @@ Load it with ``kv_connector="KVLabConnector"``, ``kv_connector_module_path="kvla
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,9 +31,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvlab.geometry import ModelGeometry
-from kvlab.layouts import KVCache, LAYOUTS, VLLM_V29_LAYOUTS, adopt, layer_name
+from kvlab.layouts import KVCache, LAYOUTS, VLLM_V29_LAYOUTS, adopt, allocate, layer_name
 from kvlab.store import Chunk, KVStore, block_hashes, signature
-from kvlab.transfer import METHODS, LayerwiseLoad, Transfer, host_buffer
+from kvlab.transfer import METHODS, LayerwiseLoad, Transfer, copy_plan, host_buffer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -138,7 +139,19 @@ def shared(config: ConnectorConfig) -> _Shared:
 
 def reset_stores() -> None:
     """Forget every in-process store (their disk folders stay)."""
+    drop_memory_tiers()
     _SHARED.clear()
+
+
+def drop_memory_tiers() -> None:
+    """Empty every store's in-memory tier, so the next loads come from disk."""
+    for entry in _SHARED.values():
+        entry.store.clear()
+
+
+def all_stats() -> dict[str, dict]:
+    """Connector and store counters of every store in this process, by store name."""
+    return {key[0]: {**asdict(entry.stats), "store": asdict(entry.store.stats)} for key, entry in _SHARED.items()}
 
 
 @dataclass
@@ -173,6 +186,17 @@ class _RequestState:
     load_blocks: int = 0  # blocks to load from the store after those
     block_ids: list[int] = field(default_factory=list)
     next_chunk: int = 0
+
+
+@functools.lru_cache(maxsize=32)
+def runs_per_block(layout: str, geometry: ModelGeometry, num_blocks: int, per_layer: bool) -> int:
+    """Contiguous runs one cache block occupies (summed over layers when ``per_layer``:
+    a layer-by-layer copy cannot merge across layers). Planned on the meta device."""
+    cache = allocate(layout, geometry, num_blocks, "meta")
+    one = allocate(layout, geometry, 1, "meta")
+    if not per_layer:
+        return copy_plan(cache, [0], one, [0]).segments
+    return sum(copy_plan(cache, [0], one, [0], [i]).segments for i in range(geometry.num_layers))
 
 
 def _geometry(vllm_config: VllmConfig, num_layers: int, dtype: torch.dtype) -> ModelGeometry:
@@ -284,20 +308,21 @@ class KVLabConnector(KVConnectorBase_V1):
         if not isinstance(meta, KVLabMetadata) or not meta.loads:
             return
         start = time.perf_counter()
+        sources = []
         for spec in meta.loads:
             for chunk, positions, block_ids in self._by_chunk(spec):
                 if chunk.signature != self._shared.signature:
                     self._load_errors.update(block_ids)
                     self.stats.load_errors += 1
                     continue
-                if self.config.layerwise:
-                    load = LayerwiseLoad(chunk.buffer, self.cache, block_ids, positions, self.config.method)
-                    self._loads.append(load.start())
-                    transfers = load.transfers
-                else:
-                    transfers = [Transfer(chunk.buffer, positions, self.cache, block_ids, self.config.method).run()]
+                sources.append((chunk.buffer, positions, block_ids))
                 self.stats.loaded_blocks += len(block_ids)
-                self.stats.load_segments += sum(t.plan.segments for t in transfers)
+                self.stats.load_segments += self._segments(len(block_ids), self.config.layerwise)
+        if self.config.layerwise and sources:  # one copy thread (or stream) for the step, layer by layer
+            self._loads.append(LayerwiseLoad.from_sources(self.cache, sources, self.config.method).start())
+        else:
+            for buffer, positions, block_ids in sources:
+                Transfer(buffer, positions, self.cache, block_ids, self.config.method).run()
         self.stats.load_seconds += time.perf_counter() - start
 
     @staticmethod
@@ -309,6 +334,12 @@ class KVLabConnector(KVConnectorBase_V1):
             groups[-1][1].append(position)
             groups[-1][2].append(block_id)
         return groups
+
+    def _segments(self, blocks: int, per_layer: bool) -> int:
+        """Contiguous cache runs that moving ``blocks`` scattered blocks touches (all layers
+        at once, or layer by layer): what a one-copy-per-run engine would issue."""
+        cache = self.cache
+        return blocks * runs_per_block(cache.layout.name, cache.geometry, cache.num_blocks, per_layer)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self._loads:
@@ -344,8 +375,8 @@ class KVLabConnector(KVConnectorBase_V1):
             self._pending_saves = [(spec, host_buffer(self.cache, len(spec.block_ids))) for spec in meta.saves]
         index = self._layer_index[layer_name]
         for spec, buffer in self._pending_saves:
-            transfer = Transfer(self.cache, spec.block_ids, buffer, method=self.config.method, layers=[index])
-            self.stats.save_segments += transfer.run().plan.segments
+            Transfer(self.cache, spec.block_ids, buffer, method=self.config.method, layers=[index]).run()
+            self.stats.save_segments += self._segments(len(spec.block_ids), True) // len(self._layer_index)
         self.stats.save_seconds += time.perf_counter() - start
 
     def wait_for_save(self) -> None:
@@ -359,8 +390,8 @@ class KVLabConnector(KVConnectorBase_V1):
             self._pending_saves = []
             for spec in meta.saves:
                 buffer = host_buffer(self.cache, len(spec.block_ids))
-                transfer = Transfer(self.cache, spec.block_ids, buffer, method=self.config.method)
-                self.stats.save_segments += transfer.run().plan.segments
+                Transfer(self.cache, spec.block_ids, buffer, method=self.config.method).run()
+                self.stats.save_segments += self._segments(len(spec.block_ids), False)
                 self._pending_saves.append((spec, buffer))
         for spec, buffer in self._pending_saves:
             if self.store.put(Chunk(spec.block_keys, buffer, self._shared.signature).seal()):

@@ -442,6 +442,8 @@ class KVCache:
     num_blocks: int
     storage: list[torch.Tensor]
     layers: dict[str, torch.Tensor | tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    # views of the storage that copy engines cut once and reuse (kvlab.transfer)
+    views: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def cross_layer_tensor(self) -> torch.Tensor | None:

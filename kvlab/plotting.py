@@ -421,3 +421,51 @@ def hooks_timeline(rows: Sequence[dict], title: str = "") -> plt.Figure:
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     return fig
+
+
+# --- the connector in vLLM (kvlab.engine, kvlab.vllm_driver) -----------------------------
+
+
+def ttft_figure(rows: Sequence[dict], title: str = "") -> plt.Figure:
+    """Median time to first token per scenario (whiskers: min to max over the prompts), with
+    vLLM's own prefix-cache hit as the floor: a connector's overhead is the gap to it."""
+    rows = list(rows)
+    fig, ax = plt.subplots(figsize=(7.5, 0.8 + 0.38 * max(len(rows), 1)))
+    colours = {"none": "#7f7f7f", "kvlab": "#1f77b4", "example": "#ff7f0e", "lmcache": "#2ca02c"}
+    for i, r in enumerate(rows):
+        ms = 1e3 * r["median_s"]
+        ax.barh(i, ms, 0.7, color=colours.get(r["connector"], "#9467bd"))
+        ax.errorbar(ms, i, xerr=[[ms - 1e3 * r["min_s"]], [1e3 * r["max_s"] - ms]], color="black", lw=0.8, capsize=2)
+        note = f"{ms:.0f} ms" if r.get("overhead_s") is None else f"{ms:.0f} ms (+{1e3 * r['overhead_s']:.0f})"
+        ax.text(1e3 * r["max_s"] * 1.05, i, note, va="center", fontsize=7)
+    floor = [r for r in rows if r["scenario"] == "vLLM prefix hit"]
+    if floor:
+        ax.axvline(1e3 * floor[0]["median_s"], color="black", ls="--", lw=0.8)
+    ax.set_yticks(range(len(rows)), [r["scenario"] for r in rows], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel("time to first token (ms, log); dashed: vLLM prefix-cache hit; (+overhead over it)")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def registration_figure(rows: Sequence[dict], title: str = "") -> plt.Figure:
+    """Per-layer against cross-layer hand-over: copies per load and load time."""
+    rows = list(rows)
+    fig, axes = plt.subplots(1, 2, figsize=(9, 0.9 + 0.4 * max(len(rows), 1)), sharey=True)
+    colours = ["#2ca02c" if r["cross_layer"] else "#1f77b4" for r in rows]
+    labels = [f"{r['registration']} ({r['layout']})" for r in rows]
+    for ax, key, xlabel in ((axes[0], "load_segments", "contiguous copies per load (log)"),
+                            (axes[1], "load_ms", "load time (ms)")):
+        values = [r[key] for r in rows]
+        ax.barh(range(len(rows)), values, 0.7, color=colours)
+        for i, v in enumerate(values):
+            ax.text(v, i, f" {v:.0f}" if key == "load_segments" else f" {v:.1f}", va="center", fontsize=7)
+        ax.set_xlabel(xlabel)
+    axes[0].set_xscale("log")
+    axes[0].set_yticks(range(len(rows)), labels, fontsize=7)
+    axes[0].invert_yaxis()
+    fig.suptitle(title + " (green: cross-layer)", fontsize=9)
+    fig.tight_layout()
+    return fig

@@ -319,7 +319,9 @@ class Transfer:
 
     @property
     def nbytes(self) -> int:
-        return self.plan.nbytes
+        """Bytes moved: whole pages of the chosen layers (known without building the plan)."""
+        layers = self.src.geometry.num_layers if self.layers is None else len(self.layers)
+        return len(self.src_blocks) * layers * self.src.geometry.page_bytes
 
     def run(self) -> Transfer:
         """Issue the copy (and wait for it if ``blocking``)."""
@@ -423,7 +425,10 @@ def _block_rows(cache: KVCache, per_layer: bool = True) -> list[tuple[int | None
     """Each backing tensor as (layer, [outer, block, inner] view) pairs. With ``per_layer``
     and the layer axis outside the block axis, one pair per layer (an indexed copy then
     moves one layer's blocks); else one pair for the whole tensor (layer None unless the
-    tensor is a single layer's)."""
+    tensor is a single layer's). Cut once per cache and reused."""
+    key = ("block_rows", per_layer)
+    if key in cache.views:
+        return cache.views[key]
     out = []
     for alloc, tensor in zip(allocations(cache.layout, cache.geometry, cache.num_blocks), cache.storage):
         shaped = tensor.view(alloc.sizes)
@@ -440,6 +445,7 @@ def _block_rows(cache: KVCache, per_layer: bool = True) -> list[tuple[int | None
                             for index in itertools.product(*map(range, sub.shape[:-2]))]
         else:
             out.append((alloc.index.get("L"), shaped.view(math.prod(alloc.sizes[:k]), cache.num_blocks, inner)))
+    cache.views[key] = out
     return out
 
 
@@ -511,7 +517,7 @@ def _gather(t: Transfer) -> None:
         # fewer pairs than CPU workers (a cross-layer cache is one pair): split the blocks,
         # when the copy is big enough to pay for handing work to another thread
         pieces = 1
-        if device.type == "cpu" and t.plan.nbytes >= _SPLIT_BYTES and all(d.shape[0] == 1 for _, d, _ in pairs):
+        if device.type == "cpu" and t.nbytes >= _SPLIT_BYTES and all(d.shape[0] == 1 for _, d, _ in pairs):
             pieces = max(1, -(-torch.get_num_threads() // len(pairs)))
         step = -(-len(sb) // pieces)
         for s, d, dim in pairs:
@@ -687,8 +693,22 @@ class LayerwiseLoad:
     def __init__(self, buffer: KVCache, cache: KVCache, block_ids: Sequence[int],
                  buffer_blocks: Sequence[int] | None = None, method: str = "gather") -> None:
         buffer_blocks = list(range(len(block_ids))) if buffer_blocks is None else buffer_blocks
+        self._setup(cache, [(buffer, buffer_blocks, block_ids)], method)
+
+    @classmethod
+    def from_sources(cls, cache: KVCache, sources: Sequence[tuple[KVCache, Sequence[int], Sequence[int]]],
+                     method: str = "gather") -> LayerwiseLoad:
+        """One layerwise load from several buffers, each given as (buffer, buffer blocks,
+        cache blocks): layer i of every source lands before layer i + 1 of any."""
+        load = cls.__new__(cls)
+        load._setup(cache, sources, method)
+        return load
+
+    def _setup(self, cache: KVCache, sources: Sequence[tuple[KVCache, Sequence[int], Sequence[int]]],
+               method: str) -> None:
         self.transfers = [
-            Transfer(buffer, buffer_blocks, cache, block_ids, method, layers=[i], blocking=False)
+            [Transfer(buffer, list(buffer_blocks), cache, list(block_ids), method, layers=[i], blocking=False)
+             for buffer, buffer_blocks, block_ids in sources]
             for i in range(cache.geometry.num_layers)
         ]
         self._done = [threading.Event() for _ in self.transfers]
@@ -701,15 +721,16 @@ class LayerwiseLoad:
 
         def issue() -> None:
             try:
-                for transfer, done in zip(self.transfers, self._done):
-                    transfer.run()
+                for layer, done in zip(self.transfers, self._done):
+                    for transfer in layer:
+                        transfer.run()
                     done.set()
             except BaseException as error:  # surfaced by wait()
                 self._error = error
                 for done in self._done:
                     done.set()
 
-        if self.transfers[0].device.type != "cpu":  # queued on the copy stream: returns at once
+        if self.transfers[0][0].device.type != "cpu":  # queued on the copy stream: returns at once
             issue()
         else:
             self._thread = threading.Thread(target=_in_callers_mode(issue), name="kvlab-layerwise", daemon=True)
@@ -720,12 +741,14 @@ class LayerwiseLoad:
         self._done[layer].wait()
         if self._error is not None:
             raise RuntimeError("layerwise load failed") from self._error
-        self.transfers[layer].stream_wait()
+        for transfer in self.transfers[layer]:
+            transfer.stream_wait()
 
     def finish(self) -> None:
         """Wait for every layer, on the host."""
-        for i, transfer in enumerate(self.transfers):
+        for i, layer in enumerate(self.transfers):
             self.wait(i)
-            transfer.wait()
+            for transfer in layer:
+                transfer.wait()
         if self._thread is not None:
             self._thread.join()

@@ -1,13 +1,12 @@
-"""KVLabConnector driven the way vLLM drives it, without starting an engine: the scheduler
-side builds the step metadata from vLLM's own SchedulerOutput classes, the worker side gets
-caches exactly as each vLLM generation hands them over (vLLM's own allocator for >= 0.29,
-the 0.12-0.28 runner's cross-layer recipe, Ascend tuples, MLA). Saved blocks must come back
-bit for bit into other blocks. The end-to-end engine runs are in test_connector_vllm.py."""
+"""KVLabConnector driven the way vLLM drives it, without starting an engine
+(kvlab.vllm_driver): vLLM's own SchedulerOutput classes on the scheduler side, caches
+exactly as each vLLM generation hands them over on the worker side (vLLM's own allocator
+for >= 0.29, the 0.12-0.28 runner's cross-layer recipe, Ascend tuples, MLA). Saved blocks
+must come back bit for bit into other blocks. Engine runs are in test_connector_vllm.py."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
@@ -15,18 +14,15 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm.config import KVTransferConfig  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
-from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
-
-from kvlab.connector import ConnectorConfig, KVLabConnector, KVLabMetadata, reset_stores  # noqa: E402
+from kvlab.connector import ConnectorConfig, KVLabConnector, reset_stores  # noqa: E402
 from kvlab.geometry import ModelGeometry  # noqa: E402
 from kvlab.layouts import allocate, layer_name  # noqa: E402
-from kvlab.vllm_views import vllm_layer_views  # noqa: E402
+from kvlab.vllm_driver import connector_pair, prefill, register, stand_in_config  # noqa: E402
 
 NUM_BLOCKS = 24
 GQA = ModelGeometry("tiny-gqa", 4, 2, 64, torch.float32, 16)
 MLA = ModelGeometry.mla("tiny-mla", 3, 64, 32, dtype=torch.bfloat16, block_size=16)
+BS = GQA.block_size
 
 
 @pytest.fixture(autouse=True)
@@ -36,97 +32,12 @@ def _fresh_stores():
     reset_stores()
 
 
-def stand_in_config(geometry: ModelGeometry, extra: dict) -> SimpleNamespace:
-    """The parts of a VllmConfig the connector reads (a real KVTransferConfig)."""
-    model = SimpleNamespace(
-        model=f"/models/{geometry.name}", dtype=geometry.dtype, use_mla=geometry.is_mla,
-        get_num_kv_heads=lambda parallel: geometry.num_kv_heads, get_head_size=lambda: geometry.head_size,
-        hf_text_config=SimpleNamespace(kv_lora_rank=geometry.kv_lora_rank, qk_rope_head_dim=geometry.qk_rope_head_dim),
-    )
-    transfer = KVTransferConfig(kv_connector="KVLabConnector", kv_connector_module_path="kvlab.connector",
-                                kv_role="kv_both", kv_connector_extra_config=extra)
-    return SimpleNamespace(kv_transfer_config=transfer, model_config=model, parallel_config=None,
-                           cache_config=SimpleNamespace(block_size=geometry.block_size, cache_dtype="auto"))
-
-
 def connectors(geometry: ModelGeometry, extra: dict | None = None) -> tuple[KVLabConnector, KVLabConnector]:
-    config = stand_in_config(geometry, extra or {})
-    kv_config = SimpleNamespace(num_blocks=NUM_BLOCKS, kv_cache_tensors=[
-        SimpleNamespace(shared_by=[layer_name(i)]) for i in range(geometry.num_layers)])
-    return (KVLabConnector(config, KVConnectorRole.SCHEDULER, kv_config),
-            KVLabConnector(config, KVConnectorRole.WORKER, kv_config))
+    return connector_pair(geometry, NUM_BLOCKS, extra)
 
 
-@dataclass
-class FakeBackend:
-    """An attention backend of vLLM 0.12-0.28 as the runner sees it: a shape and a stride order."""
-
-    shape: tuple[int, ...]
-    order: tuple[int, ...]
-
-    def get_kv_cache_stride_order(self, include_num_layers_dimension: bool = False) -> tuple[int, ...]:
-        assert include_num_layers_dimension
-        return self.order
-
-
-def register_cross_v012(worker: KVLabConnector, geometry: ModelGeometry, backend: FakeBackend) -> torch.Tensor:
-    """What vLLM 0.12-0.28's allocate_uniform_kv_caches does, then register_cross_layers_kv_cache."""
-    shape = (geometry.num_layers,) + backend.shape
-    physical = tuple(shape[i] for i in backend.order)
-    total = NUM_BLOCKS * geometry.block_bytes
-    cross = torch.zeros(total, dtype=torch.int8).view(geometry.dtype).view(physical)
-    worker.register_cross_layers_kv_cache(cross, backend)
-    return cross
-
-
-G, H, D, BS = GQA.num_layers, GQA.num_kv_heads, GQA.head_size, GQA.block_size
-V012_FLASH_NHD = FakeBackend((2, NUM_BLOCKS, BS, H, D), (2, 0, 1, 3, 4, 5))  # (NB, L, 2, BS, H, D)
-V012_FLASH_HND = FakeBackend((2, NUM_BLOCKS, BS, H, D), (2, 4, 0, 1, 3, 5))  # (NB, H, L, 2, BS, D)
-V026_NHD = FakeBackend((NUM_BLOCKS, H, BS, 2 * D), (1, 0, 3, 2, 4))  # (NB, L, BS, H, 2D)
-
-
-def register(worker: KVLabConnector, variant: str, geometry: ModelGeometry) -> None:
-    if variant.startswith("vllm>=0.29 "):
-        worker.register_kv_caches(vllm_layer_views(variant.split()[1], geometry, NUM_BLOCKS))
-    elif variant == "vllm0.12 flash NHD cross":
-        register_cross_v012(worker, geometry, V012_FLASH_NHD)
-    elif variant == "vllm0.12 flash HND cross":
-        register_cross_v012(worker, geometry, V012_FLASH_HND)
-    elif variant == "vllm0.26 NHD cross":
-        register_cross_v012(worker, geometry, V026_NHD)
-    else:  # a kvlab layout handed over as per-layer tensors or tuples
-        worker.register_kv_caches(allocate(variant, geometry, NUM_BLOCKS).layers)
-
-
-def schedule(req_id: str, prompt: list[int], block_ids: list[int], computed: int) -> SchedulerOutput:
-    new = NewRequestData(req_id=req_id, prompt_token_ids=prompt, mm_features=[], sampling_params=None,
-                         pooling_params=None, block_ids=(block_ids,), num_computed_tokens=computed, lora_request=None)
-    todo = len(prompt) - computed
-    return SchedulerOutput(scheduled_new_reqs=[new], scheduled_cached_reqs=CachedRequestData.make_empty(),
-                           num_scheduled_tokens={req_id: todo}, total_num_scheduled_tokens=todo,
-                           scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={}, finished_req_ids=set(),
-                           free_encoder_mm_hashes=[])
-
-
-def run_step(scheduler: KVLabConnector, worker: KVLabConnector, req_id: str, prompt: list[int],
-             block_ids: list[int], layerwise: bool) -> int:
-    """One prefill step of one request through both sides; returns the external hit tokens."""
-    request = SimpleNamespace(request_id=req_id, prompt_token_ids=prompt)
-    hit, asynchronous = scheduler.get_num_new_matched_tokens(request, 0)
-    assert asynchronous is False
-    scheduler.update_state_after_alloc(request, None, hit)
-    meta = scheduler.build_connector_meta(schedule(req_id, prompt, block_ids, hit))
-    assert isinstance(meta, KVLabMetadata)
-    worker.bind_connector_metadata(meta)
-    worker.start_load_kv(None)
-    for name in worker.cache.layers:
-        if layerwise:
-            worker.wait_for_layer_load(name)
-            worker.save_kv_layer(name, worker.cache.layers[name], None)
-    worker.wait_for_save()
-    worker.clear_connector_metadata()
-    scheduler.request_finished(request, block_ids)
-    return hit
+def run_step(scheduler, worker, req_id, prompt, block_ids, layerwise) -> int:
+    return prefill(scheduler, worker, req_id, prompt, block_ids, layerwise)["hit_tokens"]
 
 
 def block_bytes(worker: KVLabConnector, block_ids: list[int]) -> list[torch.Tensor]:
@@ -153,7 +64,7 @@ def test_round_trip_bit_exact(variant: str, layerwise: bool) -> None:
     if variant.startswith("vllm>=0.29 CPU_"):
         variant = "vllm>=0.29 LBHNC"
     scheduler, worker = connectors(geometry, {"layerwise": layerwise, "chunk_size": 3 * BS})
-    register(worker, variant, geometry)
+    register(worker, variant, geometry, NUM_BLOCKS)
     for tensor in worker.cache.storage:
         tensor.view(torch.int32).random_()
     prompt = [(7 * i) % 501 for i in range(7 * BS + 5)]  # 7 full blocks, 3 chunks (3 + 3 + 1)
@@ -177,10 +88,10 @@ def test_round_trip_bit_exact(variant: str, layerwise: bool) -> None:
 
 def test_cross_layer_views_are_recognised_as_block_major() -> None:
     _, worker = connectors(GQA)
-    register(worker, "vllm>=0.29 BLHNC", GQA)
+    register(worker, "vllm>=0.29 BLHNC", GQA, NUM_BLOCKS)
     assert worker.cache.layout.name == "BLHNC" and worker.cache.layout.is_cross_layer
     _, worker = connectors(GQA)
-    register(worker, "vllm0.12 flash NHD cross", GQA)
+    register(worker, "vllm0.12 flash NHD cross", GQA, NUM_BLOCKS)
     assert worker.cache.layout.is_cross_layer
 
 
@@ -201,7 +112,7 @@ def test_mla_round_trip(variant: str) -> None:
 
 def test_vllm_prefix_hits_are_not_loaded_again() -> None:
     scheduler, worker = connectors(GQA)
-    register(worker, "vllm>=0.29 LBHNC", GQA)
+    register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
     prompt = list(range(6 * BS + 1))
     run_step(scheduler, worker, "a", prompt, list(range(7)), False)
     request = SimpleNamespace(request_id="b", prompt_token_ids=prompt)
@@ -211,7 +122,7 @@ def test_vllm_prefix_hits_are_not_loaded_again() -> None:
 
 def test_prompt_shorter_than_a_block_and_new_prompt_miss() -> None:
     scheduler, worker = connectors(GQA)
-    register(worker, "vllm>=0.29 LBHNC", GQA)
+    register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
     assert run_step(scheduler, worker, "a", list(range(BS)), [0], False) == 0
     assert run_step(scheduler, worker, "b", list(range(BS)), [1], False) == 0  # the last token is always computed
     assert run_step(scheduler, worker, "c", list(range(100, 100 + 3 * BS)), [2, 3, 4], False) == 0
@@ -219,7 +130,7 @@ def test_prompt_shorter_than_a_block_and_new_prompt_miss() -> None:
 
 def test_longer_prompt_reuses_the_shared_prefix() -> None:
     scheduler, worker = connectors(GQA, {"chunk_size": 2 * BS})
-    register(worker, "vllm>=0.29 LBHNC", GQA)
+    register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
     prefix = list(range(5 * BS))
     run_step(scheduler, worker, "a", prefix + [1], list(range(6)), False)
     assert run_step(scheduler, worker, "b", prefix + list(range(900, 900 + 2 * BS)), list(range(6, 14)), False) == 5 * BS
@@ -227,12 +138,12 @@ def test_longer_prompt_reuses_the_shared_prefix() -> None:
 
 def test_model_or_layout_mismatch_is_a_miss() -> None:
     scheduler, worker = connectors(GQA)
-    register(worker, "vllm>=0.29 LBHNC", GQA)
+    register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
     prompt = list(range(3 * BS + 1))
     run_step(scheduler, worker, "a", prompt, [0, 1, 2, 3], False)
     # the same store, now serving a cross-layer cache: chunks in LBHNC cannot be loaded into it
     worker_b = connectors(GQA)[1]
-    register(worker_b, "vllm>=0.29 BLHNC", GQA)
+    register(worker_b, "vllm>=0.29 BLHNC", GQA, NUM_BLOCKS)
     request = SimpleNamespace(request_id="b", prompt_token_ids=prompt)
     assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
     assert worker.store.stats.mismatched >= 1
@@ -240,7 +151,7 @@ def test_model_or_layout_mismatch_is_a_miss() -> None:
 
 def test_corrupt_chunk_is_recomputed_not_loaded() -> None:
     scheduler, worker = connectors(GQA)
-    register(worker, "vllm>=0.29 LBHNC", GQA)
+    register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
     prompt = list(range(4 * BS + 1))
     run_step(scheduler, worker, "a", prompt, [0, 1, 2, 3, 4], False)
     chunk = next(iter(worker.store._chunks.values()))
@@ -253,7 +164,7 @@ def test_corrupt_chunk_is_recomputed_not_loaded() -> None:
 def test_full_store_evicts_and_never_fails() -> None:
     one_chunk = 2 * GQA.block_bytes
     scheduler, worker = connectors(GQA, {"chunk_size": 2 * BS, "store_bytes": 2 * one_chunk})
-    register(worker, "vllm>=0.29 LBHNC", GQA)
+    register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
     prompt = list(range(8 * BS + 1))  # four chunks into a store that holds two
     run_step(scheduler, worker, "a", prompt, list(range(9)), False)
     assert len(worker.store) == 2 and worker.store.stats.evicted == 2

@@ -1,0 +1,187 @@
+"""Run vLLM's CPU engine with and without KV connectors, one engine per process, and time
+the first token.
+
+Each engine runs in a fresh Python process (``python -m kvlab.engine``), so connector
+stores, compile caches and thread bindings never leak between the things compared, and
+"a new process" is literally one. Every engine is pinned to the same thread count (on a
+2-core machine vLLM otherwise reserves a second core when a connector is configured and
+runs the model on a different number of threads). Imports vLLM only in the child process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+# Same threads for every engine compared (see the class docstring).
+PINNED_ENV = {
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "2",
+    "OMP_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+CONNECTORS = ("none", "kvlab", "example")
+
+
+def kv_transfer_config(connector: str, extra: dict[str, Any] | None = None, workdir: str | Path | None = None) -> dict | None:
+    """The ``kv_transfer_config`` of an engine: KVLabConnector, vLLM's ExampleConnector
+    (files under ``workdir``) or none."""
+    if connector not in CONNECTORS:
+        raise ValueError(f"connector must be one of {list(CONNECTORS)}, got {connector!r}")
+    if connector == "none":
+        return None
+    if connector == "kvlab":
+        return {"kv_connector": "KVLabConnector", "kv_connector_module_path": "kvlab.connector",
+                "kv_role": "kv_both", "kv_connector_extra_config": dict(extra or {})}
+    if workdir is None:
+        raise ValueError("ExampleConnector needs a workdir for its files")
+    return {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(workdir), **(extra or {})}}
+
+
+@dataclass
+class EngineSpec:
+    """One engine and what to run on it: each phase sends every prompt once, in order.
+
+    Phases: "cold" and "warm" (plain runs; warm finds whatever the earlier ones left),
+    "warm-disk" (the connector's in-memory tier emptied first, so KV comes from disk).
+    """
+
+    model: str
+    connector: str = "none"
+    extra: dict[str, Any] = field(default_factory=dict)
+    prefix_caching: bool = False
+    phases: tuple[str, ...] = ("cold", "warm")
+    dtype: str = "bfloat16"
+    block_size: int = 32
+    max_tokens: int = 1
+    max_model_len: int = 4096
+    workdir: str | None = None
+
+
+def run_engine(spec: EngineSpec, prompts: list[list[int]], timeout: float = 900) -> dict:
+    """Start ``spec`` in a new process, run its phases over ``prompts`` (token ids) and
+    return per-phase, per-prompt first-token times, outputs, cache hits and connector stats."""
+    if not prompts or not all(prompts):
+        raise ValueError("need at least one non-empty prompt")
+    with tempfile.TemporaryDirectory() as tmp:
+        job = Path(tmp) / "job.json"
+        out = Path(tmp) / "out.json"
+        job.write_text(json.dumps({"spec": asdict(spec), "prompts": prompts}))
+        env = {**os.environ, **PINNED_ENV}
+        proc = subprocess.run([sys.executable, "-m", "kvlab.engine", str(job), str(out)], env=env,
+                              capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0 or not out.exists():
+            tail = "\n".join((proc.stderr or proc.stdout).splitlines()[-25:])
+            raise RuntimeError(f"engine {spec.connector} on {spec.model} failed (exit {proc.returncode}):\n{tail}")
+        return json.loads(out.read_text())
+
+
+def _child(job_path: str, out_path: str) -> None:
+    """The engine process: build the LLM, run the phases, write JSON."""
+    import time
+
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    job = json.loads(Path(job_path).read_text())
+    spec = EngineSpec(**job["spec"])
+    transfer = kv_transfer_config(spec.connector, spec.extra, spec.workdir)
+    llm = LLM(model=spec.model, dtype=spec.dtype, block_size=spec.block_size, enforce_eager=True,
+              enable_prefix_caching=spec.prefix_caching, max_model_len=spec.max_model_len, seed=0,
+              kv_transfer_config=KVTransferConfig(**transfer) if transfer else None)
+    params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, logprobs=1)
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)  # warm-up, no shared prefix
+    result: dict[str, Any] = {"phases": {}}
+    for phase in spec.phases:
+        if phase == "warm-disk":
+            from kvlab.connector import drop_memory_tiers
+
+            drop_memory_tiers()
+        rows = []
+        for ids in job["prompts"]:
+            start = time.perf_counter()
+            output = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+            seconds = time.perf_counter() - start
+            completion = output.outputs[0]
+            rows.append({
+                "seconds": seconds, "prompt_tokens": len(ids), "cached_tokens": output.num_cached_tokens or 0,
+                "token_ids": list(completion.token_ids),
+                "logprobs": [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)],
+            })
+        result["phases"][phase] = rows
+    if spec.connector == "kvlab":
+        from kvlab.connector import all_stats
+
+        result["connector"] = all_stats()
+    Path(out_path).write_text(json.dumps(result))
+
+
+def summarize(name: str, result: dict, phase: str, **labels: Any) -> dict:
+    """One table row: median, min and max first-token time of a phase over its prompts."""
+    rows = result["phases"][phase]
+    times = [r["seconds"] for r in rows]
+    return {
+        "scenario": name, "phase": phase, **labels, "prompts": len(rows),
+        "prompt_tokens": statistics.median(r["prompt_tokens"] for r in rows),
+        "median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
+        "cached_tokens": statistics.median(r["cached_tokens"] for r in rows),
+    }
+
+
+def same_outputs(a: dict, b: dict, phase_a: str = "cold", phase_b: str = "warm") -> dict:
+    """Do two runs agree: identical tokens, and the largest chosen-token logprob difference."""
+    pairs = list(zip(a["phases"][phase_a], b["phases"][phase_b]))
+    identical = sum(x["token_ids"] == y["token_ids"] for x, y in pairs)
+    diff = max((abs(p - q) for x, y in pairs for p, q in zip(x["logprobs"], y["logprobs"])), default=0.0)
+    return {"identical": identical, "prompts": len(pairs), "max_logprob_diff": diff}
+
+
+def ttft_scenarios(model: str, prompts: list[list[int]], workdir: str | Path, dtype: str = "bfloat16",
+                   block_size: int = 32, chunk_size: int | None = None,
+                   modes: tuple[str, ...] = ("whole-step", "layerwise")) -> list[dict]:
+    """Time to first token, one engine per process, every engine on the same threads:
+    recompute, vLLM's own prefix-cache hit (the floor: nothing moves), KVLabConnector in
+    each of ``modes`` (memory and disk, same process and a new one) and vLLM's
+    ExampleConnector. Each warm row also says whether its outputs equal recompute's."""
+    workdir = Path(workdir)
+    common = {"model": model, "dtype": dtype, "block_size": block_size}
+    kvlab = {"chunk_size": chunk_size} if chunk_size else {}
+    plans = [
+        ("vLLM prefix cache", EngineSpec(**common, prefix_caching=True), {"cold": "recompute", "warm": "vLLM prefix hit"}),
+    ]
+    for mode in modes:
+        extra = {**kvlab, "layerwise": mode == "layerwise", "store": "disk", "disk_path": str(workdir / f"kvlab-{mode}")}
+        plans.append((f"KVLab {mode}", EngineSpec(**common, connector="kvlab", extra=extra, phases=("cold", "warm", "warm-disk")),
+                      {"warm": f"KVLab {mode}, memory", "warm-disk": f"KVLab {mode}, disk"}))
+        plans.append((f"KVLab {mode} new process", EngineSpec(**common, connector="kvlab", extra=extra, phases=("warm",)),
+                      {"warm": f"KVLab {mode}, disk, new process"}))
+    plans.append(("ExampleConnector", EngineSpec(**common, connector="example", workdir=str(workdir / "example")),
+                  {"warm": "ExampleConnector"}))
+    rows, results = [], {}
+    for name, spec, labels in tqdm(plans, desc="engines", unit="engine"):
+        results[name] = run_engine(spec, prompts)
+        for phase, label in labels.items():
+            row = summarize(label, results[name], phase, connector=spec.connector, model=Path(model).name,
+                            dtype=dtype, new_process=name.endswith("new process"))
+            row.update(same_outputs(results["vLLM prefix cache"], results[name], "cold", phase))
+            rows.append(row)
+    floor = next(r["median_s"] for r in rows if r["scenario"] == "vLLM prefix hit")
+    for row in rows:
+        row["overhead_s"] = row["median_s"] - floor if row["phase"] != "cold" else None
+    return rows
+
+
+if __name__ == "__main__":
+    _child(*sys.argv[1:3])

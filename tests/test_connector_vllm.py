@@ -1,0 +1,74 @@
+"""KVLabConnector inside vLLM's CPU engine with a real trained model (SmolLM2-135M, fp32):
+the second run of a prompt is served from the connector and changes nothing, in the same
+process, from disk in a new process, and a damaged store entry is recomputed, not loaded.
+Each engine runs in its own process (kvlab.engine)."""
+
+from __future__ import annotations
+
+import importlib.resources
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvlab.engine import EngineSpec, run_engine, same_outputs  # noqa: E402
+from kvlab.models import model_path  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> str:
+    try:
+        return str(model_path("smollm2-135m-instruct-fp32"))
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2: str) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    text = (importlib.resources.files("reasoning_gym") / "data" / "in_the_year_2889.txt").read_text()
+    ids = AutoTokenizer.from_pretrained(smollm2)(text)["input_ids"]
+    return [ids[1000:1300], ids[5000:5250]]
+
+
+def hits(result: dict, phase: str) -> list[int]:
+    return [row["cached_tokens"] for row in result["phases"][phase]]
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole-step", "layerwise"])
+def test_second_run_is_served_from_the_connector_and_identical(smollm2, prompts, layerwise) -> None:
+    spec = EngineSpec(smollm2, "kvlab", {"layerwise": layerwise, "chunk_size": 64}, dtype="float32", max_tokens=8)
+    result = run_engine(spec, prompts)
+    assert hits(result, "cold") == [0, 0]
+    # every full block but the one holding the last prompt token comes from the connector
+    assert hits(result, "warm") == [(len(p) - 1) // 32 * 32 for p in prompts]
+    agreement = same_outputs(result, result)
+    assert agreement["identical"] == 2 and agreement["max_logprob_diff"] == 0.0  # fp32: bitwise
+    stats = result["connector"]["default"]
+    assert stats["loaded_blocks"] == sum((len(p) - 1) // 32 for p in prompts)
+    assert stats["layout"] == "CPU_LBHNC" and stats["load_errors"] == 0
+
+
+def test_disk_store_serves_a_new_process(smollm2, prompts, tmp_path: Path) -> None:
+    extra = {"store": "disk", "disk_path": str(tmp_path / "store")}
+    first = run_engine(EngineSpec(smollm2, "kvlab", extra, dtype="float32", max_tokens=8, phases=("cold",)), prompts)
+    second = run_engine(EngineSpec(smollm2, "kvlab", extra, dtype="float32", max_tokens=8, phases=("warm",)), prompts)
+    assert min(hits(second, "warm")) > 0 and second["connector"]["default"]["store"]["disk_reads"] > 0
+    agreement = same_outputs(first, second, "cold", "warm")
+    assert agreement["identical"] == 2 and agreement["max_logprob_diff"] == 0.0
+
+
+def test_damaged_store_entry_is_recomputed(smollm2, prompts, tmp_path: Path) -> None:
+    extra = {"store": "disk", "disk_path": str(tmp_path / "store")}
+    first = run_engine(EngineSpec(smollm2, "kvlab", extra, dtype="float32", max_tokens=8, phases=("cold",)), prompts)
+    for path in (tmp_path / "store").glob("*.kvchunk"):
+        data = bytearray(path.read_bytes())
+        data[-7] ^= 0x40  # one bit of KV, deep in the payload
+        path.write_bytes(bytes(data))
+    second = run_engine(EngineSpec(smollm2, "kvlab", extra, dtype="float32", max_tokens=8, phases=("warm",)), prompts)
+    assert hits(second, "warm") == [0, 0]  # nothing trusted, everything recomputed
+    assert second["connector"]["default"]["store"]["corrupt"] >= 1
+    agreement = same_outputs(first, second, "cold", "warm")
+    assert agreement["identical"] == 2 and agreement["max_logprob_diff"] == 0.0
