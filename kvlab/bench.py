@@ -387,6 +387,8 @@ def load_results(paths: Iterable[str | Path], latest: bool = True) -> list[dict[
     for path in sorted(map(Path, paths)):
         runs: dict[str, dict[str, Any]] = {}
         file_rows = []
+        if not path.exists():
+            raise FileNotFoundError(f"no {path.name} in {path.parent}: run with measure=True (make run) first")
         for number, line in enumerate(path.read_text().splitlines(), 1):
             if not line.strip():
                 continue

@@ -152,8 +152,8 @@ class VLLMServer:
 
     # ---- life cycle ----------------------------------------------------------------------
     def start(self) -> VLLMServer:
-        if self.process is not None:
-            raise ServerError(f"this server is already started (pid {self.process.pid})")
+        if self.process is not None and self.process.poll() is None:
+            raise ServerError(f"this server is already running (pid {self.process.pid})")
         command = self._prepare()
         began = time.perf_counter()
         with open(self.log_path, "wb") as log:
@@ -213,23 +213,21 @@ class VLLMServer:
             return
         group = self.process.pid  # start_new_session: the server leads its own group
         self._signal_group(group, signal.SIGTERM)
-        deadline = time.monotonic() + self.stop_grace
-        while self._live_members(group) and time.monotonic() < deadline:
-            self._reap()
-            time.sleep(0.2)
-        if self._live_members(group):
+        if not self._wait_for_group(group, self.stop_grace):
             self._signal_group(group, signal.SIGKILL)
-            deadline = time.monotonic() + KILL_WAIT
-            while self._live_members(group) and time.monotonic() < deadline:
-                self._reap()
-                time.sleep(0.1)
-        self._reap()
-        left = self._live_members(group)
-        if left:
-            raise ServerError(f"vllm serve processes {left} survived SIGKILL")
+            if not self._wait_for_group(group, KILL_WAIT):
+                raise ServerError(f"vllm serve processes {self._live_members(group)} survived SIGKILL")
 
-    def _reap(self) -> None:
-        self.process.poll()
+    def _wait_for_group(self, group: int, seconds: float) -> bool:
+        """Whether every process of the group ended within ``seconds``."""
+        deadline = time.monotonic() + seconds
+        while True:
+            if not self._live_members(group):
+                self.process.wait()  # reaps the server, a zombie by now
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
 
     @staticmethod
     def _signal_group(group: int, sig: signal.Signals) -> None:

@@ -1,14 +1,17 @@
 """``vllm serve`` with KVLabConnector, end to end over HTTP: the same prompt twice on one
 server (vLLM's prefix cache off, so the second is served from the connector), then again on
 a new server over the same disk store. The two tests that start servers are marked slow
-(about 1.5 minutes together) but stay in the default run: they are the only test of the
-connector inside a real server. The tests above them start nothing."""
+(about 65 s together on 2 cores) but stay in the default run: they are the only tests of
+the connector behind ``vllm serve``. The tests above them start nothing."""
 
 from __future__ import annotations
 
 import importlib.resources
 import json
+import signal
 import socket
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -102,6 +105,20 @@ def test_taken_port_fails_before_starting():
         with pytest.raises(ServerError, match="is taken"):
             server.start()
     assert server.process is None
+
+
+def test_stop_kills_a_group_that_ignores_sigterm():
+    """A server and a child of it that both ignore SIGTERM are killed after the grace period."""
+    server = VLLMServer(TINY_LLAMA, stop_grace=0.5)
+    server.process = subprocess.Popen(["bash", "-c", 'trap "" TERM; sleep 60 & sleep 60; wait'],
+                                      start_new_session=True)
+    deadline = time.monotonic() + 5
+    while len(server.pids()) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pids = server.pids()
+    assert len(pids) == 3
+    server.stop()
+    assert running(pids) == [] and server.process.returncode == -signal.SIGKILL
 
 
 # ---- real servers ---------------------------------------------------------------------------
