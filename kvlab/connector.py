@@ -263,6 +263,11 @@ class KVLabConnector(KVConnectorBase_V1):
             return None
         return CROSS_LAYER_LAYOUT
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layerwise loads and saves run between attention layers, outside CUDA graphs."""
+        return bool((extra_config or {}).get("layerwise", False))
+
     # ---- worker side: registration ---------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         first = next(iter(kv_caches.values()))

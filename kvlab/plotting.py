@@ -436,7 +436,8 @@ def ttft_figure(rows: Sequence[dict], title: str = "") -> plt.Figure:
         ms = 1e3 * r["median_s"]
         ax.barh(i, ms, 0.7, color=colours.get(r["connector"], "#9467bd"))
         ax.errorbar(ms, i, xerr=[[ms - 1e3 * r["min_s"]], [1e3 * r["max_s"] - ms]], color="black", lw=0.8, capsize=2)
-        note = f"{ms:.0f} ms" if r.get("overhead_s") is None else f"{ms:.0f} ms (+{1e3 * r['overhead_s']:.0f})"
+        overhead = r.get("overhead_s")
+        note = f"{ms:.0f} ms" if overhead is None or overhead != overhead else f"{ms:.0f} ms (+{1e3 * overhead:.0f})"
         ax.text(1e3 * r["max_s"] * 1.05, i, note, va="center", fontsize=7)
     floor = [r for r in rows if r["scenario"] == "vLLM prefix hit"]
     if floor:

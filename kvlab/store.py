@@ -276,20 +276,21 @@ class KVStore:
         path = self.disk_path / f"{chunk_key}{_SUFFIX}"
         self.stats.disk_reads += 1
         try:
-            data = path.read_bytes()
-            header, start = _parse_header(data, path)
+            header = _read_header(path)
             geometry = ModelGeometry(**header["geometry"])
-            flat = torch.frombuffer(bytearray(data[start:]), dtype=torch.uint8)
+            sizes = [int(torch.Size(shape).numel()) * geometry.itemsize for shape in header["tensors"]]
+            with open(path, "rb") as f:
+                f.seek(-sum(sizes), os.SEEK_END)  # the payload ends the file: read it once, in place
+                flat = torch.empty(sum(sizes), dtype=torch.uint8)
+                if f.readinto(memoryview(flat.numpy())) != flat.numel() or f.tell() != header["_end"] + flat.numel():
+                    raise ValueError(f"{path}: payload size does not match its header")
             tensors, offset = [], 0
-            for shape in header["tensors"]:
-                count = int(torch.Size(shape).numel()) * geometry.itemsize
+            for shape, count in zip(header["tensors"], sizes):
                 tensors.append(flat[offset:offset + count].view(geometry.dtype).view(shape))
                 offset += count
-            if offset != flat.numel():
-                raise ValueError(f"{path}: {flat.numel()} payload bytes, the header describes {offset}")
             buffer = from_storage(header["layout"], geometry, header["num_blocks"], tensors)
             chunk = Chunk(header["block_keys"], buffer, header["signature"], header["crc"])
-        except (OSError, ValueError, KeyError, TypeError, RuntimeError):
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError):  # damaged: a miss
             self.stats.corrupt += 1
             self.discard(chunk_key)
             return None
@@ -328,4 +329,5 @@ def _read_header(path: Path) -> dict:
         (length,) = struct.unpack_from("<Q", head, len(_MAGIC))
         if length > path.stat().st_size:
             raise ValueError(f"{path}: damaged header (length {length})")
-        return _parse_header(head + f.read(length), path)[0]
+        header, end = _parse_header(head + f.read(length), path)
+        return {**header, "_end": end}

@@ -9,6 +9,7 @@ tensor, per-layer tensors or Ascend tuples otherwise). Imports vLLM.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -135,6 +136,8 @@ def registration_costs(geometry: ModelGeometry, tokens: int, ways: list[str], re
     blocks = tokens // geometry.block_size
     num_blocks = 2 * blocks + 2
     rows = []
+    # every connector built here would log vLLM's "this API is experimental" warning
+    logging.getLogger("vllm.distributed.kv_transfer.kv_connector.v1.base").setLevel(logging.ERROR)
     for how in ways:
         samples = []
         for _ in range(repeats):

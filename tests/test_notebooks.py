@@ -39,20 +39,21 @@ def test_explorer_widget_updates():
     assert picture.value != before
 
 
-def test_figures_redraw_from_committed_results(tmp_path):
-    """`make figures`: notebook 02 measures nothing and draws every figure from data/results."""
+@pytest.mark.parametrize("notebook, figures", [("02_transfer_timing", 6), ("03_connector_and_hooks", 3)])
+def test_figures_redraw_from_committed_results(tmp_path, notebook, figures):
+    """`make figures`: a measuring notebook measures nothing and draws every figure from data/results."""
     import shutil
 
     from kvlab.notebooks import NOTEBOOKS_DIR
 
-    committed = sorted((NOTEBOOKS_DIR.parent / "data" / "results").glob("02_*.jsonl"))
-    assert committed, "the committed transfer results are missing"
+    committed = sorted((NOTEBOOKS_DIR.parent / "data" / "results").glob(f"{notebook[:2]}_*.jsonl"))
+    assert committed, f"the committed results of {notebook} are missing"
     (tmp_path / "results").mkdir()
     for path in committed:
         shutil.copy(path, tmp_path / "results")
-    run_notebooks(quick=True, only=["02_transfer_timing"], out=tmp_path, measure=False)
+    run_notebooks(quick=True, only=[notebook], out=tmp_path, measure=False)
     assert sorted(p.name for p in (tmp_path / "results").iterdir()) == sorted(p.name for p in committed)
-    assert len(list((tmp_path / "figures").glob("02_*.svg"))) == 6
+    assert len(list((tmp_path / "figures").glob(f"{notebook[:2]}_*.svg"))) == figures
 
 
 def test_figures_without_results_is_a_clear_error(tmp_path):
@@ -60,3 +61,5 @@ def test_figures_without_results_is_a_clear_error(tmp_path):
 
     with pytest.raises(PapermillExecutionError, match="no 02_transfer-"):
         run_notebooks(quick=True, only=["02_transfer_timing"], out=tmp_path, measure=False)
+    with pytest.raises(PapermillExecutionError, match="no 03_ttft-"):
+        run_notebooks(quick=True, only=["03_connector_and_hooks"], out=tmp_path, measure=False)
