@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -33,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvlab.geometry import ModelGeometry
 from kvlab.layouts import KVCache, LAYOUTS, VLLM_V29_LAYOUTS, adopt, allocate, layer_name
 from kvlab.store import Chunk, KVStore, block_hashes, signature
-from kvlab.transfer import METHODS, LayerwiseLoad, Transfer, copy_plan, host_buffer
+from kvlab.transfer import METHODS, LayerwiseLoad, Transfer, copy_plan, host_buffer, run_all
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -59,7 +60,7 @@ class ConnectorConfig:
     disk_bytes: int = 16 << 30
     chunk_size: int | None = None  # tokens per stored chunk; default 256 rounded to blocks
     method: str = "gather"  # kvlab.transfer copy method
-    verify: str = "always"  # "always": CRC at every lookup; "disk": only what is read from disk
+    verify: str = "disk"  # "disk": CRC of every chunk read from disk; "always": also at every memory hit
     store_name: str = "default"  # connectors with the same name in one process share a store
 
     @classmethod
@@ -235,6 +236,9 @@ class KVLabConnector(KVConnectorBase_V1):
         self._loads: list[LayerwiseLoad] = []
         self._pending_saves: list[tuple[SaveSpec, KVCache]] = []
         self._load_errors: set[int] = set()
+        # chunk copies may use every core this process may run on: vLLM's CPU engine runs
+        # the model on fewer threads than that, and nothing else computes during a load
+        self._copy_workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
 
     @property
     def store(self) -> KVStore:
@@ -326,8 +330,8 @@ class KVLabConnector(KVConnectorBase_V1):
         if self.config.layerwise and sources:  # one copy thread (or stream) for the step, layer by layer
             self._loads.append(LayerwiseLoad.from_sources(self.cache, sources, self.config.method).start())
         else:
-            for buffer, positions, block_ids in sources:
-                Transfer(buffer, positions, self.cache, block_ids, self.config.method).run()
+            run_all([Transfer(buffer, positions, self.cache, block_ids, self.config.method)
+                     for buffer, positions, block_ids in sources], self._copy_workers)
         self.stats.load_seconds += time.perf_counter() - start
 
     @staticmethod
@@ -392,12 +396,10 @@ class KVLabConnector(KVConnectorBase_V1):
             return
         start = time.perf_counter()
         if not self.config.layerwise or not self._pending_saves:
-            self._pending_saves = []
-            for spec in meta.saves:
-                buffer = host_buffer(self.cache, len(spec.block_ids))
-                Transfer(self.cache, spec.block_ids, buffer, method=self.config.method).run()
-                self.stats.save_segments += self._segments(len(spec.block_ids), False)
-                self._pending_saves.append((spec, buffer))
+            self._pending_saves = [(spec, host_buffer(self.cache, len(spec.block_ids))) for spec in meta.saves]
+            run_all([Transfer(self.cache, spec.block_ids, buffer, method=self.config.method)
+                     for spec, buffer in self._pending_saves], self._copy_workers)
+            self.stats.save_segments += sum(self._segments(len(spec.block_ids), False) for spec in meta.saves)
         for spec, buffer in self._pending_saves:
             if self.store.put(Chunk(spec.block_keys, buffer, self._shared.signature).seal()):
                 self.stats.saved_blocks += len(spec.block_ids)

@@ -55,7 +55,8 @@ class EngineSpec:
     """One engine and what to run on it: each phase sends every prompt once, in order.
 
     Phases: "cold" and "warm" (plain runs; warm finds whatever the earlier ones left),
-    "warm-disk" (the connector's in-memory tier emptied first, so KV comes from disk).
+    "warm-disk" (the connector's in-memory tier emptied first, so KV comes from disk). A
+    phase named more than once is repeated, its rows pooled (more samples per prompt).
     """
 
     model: str
@@ -109,18 +110,17 @@ def _child(job_path: str, out_path: str) -> None:
             from kvlab.connector import drop_memory_tiers
 
             drop_memory_tiers()
-        rows = []
-        for ids in job["prompts"]:
+        rows = result["phases"].setdefault(phase, [])
+        for index, ids in enumerate(job["prompts"]):
             start = time.perf_counter()
             output = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
             seconds = time.perf_counter() - start
             completion = output.outputs[0]
             rows.append({
-                "seconds": seconds, "prompt_tokens": len(ids), "cached_tokens": output.num_cached_tokens or 0,
+                "prompt": index, "seconds": seconds, "prompt_tokens": len(ids), "cached_tokens": output.num_cached_tokens or 0,
                 "token_ids": list(completion.token_ids),
                 "logprobs": [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)],
             })
-        result["phases"][phase] = rows
     if spec.connector == "kvlab":
         from kvlab.connector import all_stats
 
@@ -129,11 +129,12 @@ def _child(job_path: str, out_path: str) -> None:
 
 
 def summarize(name: str, result: dict, phase: str, **labels: Any) -> dict:
-    """One table row: median, min and max first-token time of a phase over its prompts."""
+    """One table row: median, min and max first-token time of a phase over its prompts
+    (and repeats)."""
     rows = result["phases"][phase]
     times = [r["seconds"] for r in rows]
     return {
-        "scenario": name, "phase": phase, **labels, "prompts": len(rows),
+        "scenario": name, "phase": phase, **labels, "samples": len(rows),
         "prompt_tokens": statistics.median(r["prompt_tokens"] for r in rows),
         "median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
         "cached_tokens": statistics.median(r["cached_tokens"] for r in rows),
@@ -141,33 +142,46 @@ def summarize(name: str, result: dict, phase: str, **labels: Any) -> dict:
 
 
 def same_outputs(a: dict, b: dict, phase_a: str = "cold", phase_b: str = "warm") -> dict:
-    """Do two runs agree: identical tokens, and the largest chosen-token logprob difference."""
-    pairs = list(zip(a["phases"][phase_a], b["phases"][phase_b]))
-    identical = sum(x["token_ids"] == y["token_ids"] for x, y in pairs)
-    diff = max((abs(p - q) for x, y in pairs for p, q in zip(x["logprobs"], y["logprobs"])), default=0.0)
-    return {"identical": identical, "prompts": len(pairs), "max_logprob_diff": diff}
+    """Do two runs agree, prompt by prompt: how many prompts gave identical tokens every
+    time, and the largest chosen-token logprob difference."""
+    reference = {row["prompt"]: row for row in a["phases"][phase_a]}
+    same: dict[int, bool] = {}
+    diff = 0.0
+    for row in b["phases"][phase_b]:
+        ref = reference[row["prompt"]]
+        same[row["prompt"]] = same.get(row["prompt"], True) and row["token_ids"] == ref["token_ids"]
+        diff = max([diff] + [abs(p - q) for p, q in zip(row["logprobs"], ref["logprobs"])])
+    return {"identical": sum(same.values()), "prompts": len(same), "max_logprob_diff": diff}
 
 
 def ttft_scenarios(model: str, prompts: list[list[int]], workdir: str | Path, dtype: str = "bfloat16",
                    block_size: int = 32, chunk_size: int | None = None,
-                   modes: tuple[str, ...] = ("whole-step", "layerwise")) -> list[dict]:
+                   modes: tuple[str, ...] = ("whole-step", "layerwise"), repeats: int = 3) -> list[dict]:
     """Time to first token, one engine per process, every engine on the same threads:
     recompute, vLLM's own prefix-cache hit (the floor: nothing moves), KVLabConnector in
-    each of ``modes`` (memory and disk, same process and a new one) and vLLM's
-    ExampleConnector. Each warm row also says whether its outputs equal recompute's."""
+    each of ``modes`` (memory and disk, same process and a new one; whole-step also with
+    every memory hit checksummed) and vLLM's ExampleConnector, each warm case ``repeats``
+    times over the prompts. Each warm row also says whether its outputs equal recompute's."""
     workdir = Path(workdir)
     common = {"model": model, "dtype": dtype, "block_size": block_size}
     kvlab = {"chunk_size": chunk_size} if chunk_size else {}
+    warm, disk = ("warm",) * repeats, ("warm-disk",) * repeats
     plans = [
-        ("vLLM prefix cache", EngineSpec(**common, prefix_caching=True), {"cold": "recompute", "warm": "vLLM prefix hit"}),
+        ("vLLM prefix cache", EngineSpec(**common, prefix_caching=True, phases=("cold", *warm)),
+         {"cold": "recompute", "warm": "vLLM prefix hit"}),
     ]
     for mode in modes:
         extra = {**kvlab, "layerwise": mode == "layerwise", "store": "disk", "disk_path": str(workdir / f"kvlab-{mode}")}
-        plans.append((f"KVLab {mode}", EngineSpec(**common, connector="kvlab", extra=extra, phases=("cold", "warm", "warm-disk")),
+        plans.append((f"KVLab {mode}", EngineSpec(**common, connector="kvlab", extra=extra, phases=("cold", *warm, *disk)),
                       {"warm": f"KVLab {mode}, memory", "warm-disk": f"KVLab {mode}, disk"}))
-        plans.append((f"KVLab {mode} new process", EngineSpec(**common, connector="kvlab", extra=extra, phases=("warm",)),
-                      {"warm": f"KVLab {mode}, disk, new process"}))
-    plans.append(("ExampleConnector", EngineSpec(**common, connector="example", workdir=str(workdir / "example")),
+        plans.append((f"KVLab {mode} new process", EngineSpec(**common, connector="kvlab", extra=extra, phases=disk),
+                      {"warm-disk": f"KVLab {mode}, disk, new process"}))
+        if mode == "whole-step":
+            checked = {**kvlab, "verify": "always"}
+            plans.append((f"KVLab {mode} checked", EngineSpec(**common, connector="kvlab", extra=checked, phases=("cold", *warm)),
+                          {"warm": f"KVLab {mode}, memory, CRC at every hit"}))
+    plans.append(("ExampleConnector", EngineSpec(**common, connector="example", workdir=str(workdir / "example"),
+                                                 phases=("cold", *warm)),
                   {"warm": "ExampleConnector"}))
     rows, results = [], {}
     for name, spec, labels in tqdm(plans, desc="engines", unit="engine"):

@@ -98,14 +98,14 @@ class KVStore:
     """Chunks by key in host memory (LRU within ``capacity_bytes``), written through to
     ``disk_path`` when given (LRU by file time within ``disk_capacity_bytes``).
 
-    ``verify`` is "always" (check the CRC at every lookup) or "disk" (check what is
-    read from disk; trust chunks this process sealed in memory).
+    ``verify`` is "disk" (check the CRC of every chunk read from disk; trust chunks this
+    process sealed in memory) or "always" (also at every memory hit, ~4 ms per 46 MB).
     """
 
     capacity_bytes: int = 2 << 30
     disk_path: str | Path | None = None
     disk_capacity_bytes: int = 16 << 30
-    verify: str = "always"
+    verify: str = "disk"
     stats: StoreStats = field(default_factory=StoreStats)
 
     def __post_init__(self) -> None:

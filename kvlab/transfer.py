@@ -210,6 +210,18 @@ def _run_spread(jobs: list[Callable[[], None]], device: torch.device) -> None:
         future.result()
 
 
+def run_all(transfers: Sequence[Transfer], workers: int = 1) -> None:
+    """Run independent transfers, ``workers`` at a time on host threads (a connector's
+    loads of several chunks: the copies are memory-bound, so a spare core helps)."""
+    if workers < 2 or len(transfers) < 2:
+        for transfer in transfers:
+            transfer.run()
+        return
+    with ThreadPoolExecutor(workers, thread_name_prefix="kvlab-transfers") as pool:
+        for future in [pool.submit(_in_callers_mode(transfer.run)) for transfer in transfers]:
+            future.result()
+
+
 def _in_callers_mode(fn: Callable[[], Any]) -> Callable[[], Any]:
     """``fn`` for another thread, under the caller's inference mode: an engine's KV cache
     (made under torch.inference_mode) may only be written in that mode."""

@@ -150,7 +150,7 @@ def test_model_or_layout_mismatch_is_a_miss() -> None:
 
 
 def test_corrupt_chunk_is_recomputed_not_loaded() -> None:
-    scheduler, worker = connectors(GQA)
+    scheduler, worker = connectors(GQA, {"verify": "always"})
     register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
     prompt = list(range(4 * BS + 1))
     run_step(scheduler, worker, "a", prompt, [0, 1, 2, 3, 4], False)

@@ -76,7 +76,7 @@ def test_corrupt_memory_chunk_is_a_miss_when_verifying() -> None:
 
 
 def test_signature_mismatch_is_a_miss() -> None:
-    store = KVStore()
+    store = KVStore(verify="always")
     c = chunk(1)
     store.put(c)
     other = signature(allocate("BLHNC", GEOMETRY, 2))
