@@ -54,9 +54,12 @@ def kv_transfer_config(connector: str, extra: dict[str, Any] | None = None, work
 class EngineSpec:
     """One engine and what to run on it: each phase sends every prompt once, in order.
 
-    Phases: "cold" and "warm" (plain runs; warm finds whatever the earlier ones left),
-    "warm-disk" (the connector's in-memory tier emptied first, so KV comes from disk). A
-    phase named more than once is repeated, its rows pooled (more samples per prompt).
+    Phases: "cold" (first sight), "floor" (again, served by vLLM's own prefix cache:
+    nothing moves), "warm" (vLLM's prefix cache emptied before each prompt when it is on,
+    so the prefix can only come from the connector), "warm-disk" (also the connector's
+    in-memory tier emptied, so KV comes from disk). A phase named more than once is
+    repeated and its rows pooled; alternating "floor" and "warm" pairs each connector
+    sample with a floor sample from the same engine.
     """
 
     model: str
@@ -105,13 +108,17 @@ def _child(job_path: str, out_path: str) -> None:
     params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, logprobs=1)
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)  # warm-up, no shared prefix
     result: dict[str, Any] = {"phases": {}}
+    if "floor" in spec.phases and not spec.prefix_caching:
+        raise ValueError("the floor phase needs prefix caching on")
     for phase in spec.phases:
-        if phase == "warm-disk":
-            from kvlab.connector import drop_memory_tiers
-
-            drop_memory_tiers()
         rows = result["phases"].setdefault(phase, [])
         for index, ids in enumerate(job["prompts"]):
+            if phase == "warm-disk":
+                from kvlab.connector import drop_memory_tiers
+
+                drop_memory_tiers()
+            if phase.startswith("warm") and spec.prefix_caching:
+                llm.reset_prefix_cache()  # vLLM's own copy goes; the connector's store stays
             start = time.perf_counter()
             output = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
             seconds = time.perf_counter() - start
@@ -157,44 +164,58 @@ def same_outputs(a: dict, b: dict, phase_a: str = "cold", phase_b: str = "warm")
 def ttft_scenarios(model: str, prompts: list[list[int]], workdir: str | Path, dtype: str = "bfloat16",
                    block_size: int = 32, chunk_size: int | None = None,
                    modes: tuple[str, ...] = ("whole-step", "layerwise"), repeats: int = 3) -> list[dict]:
-    """Time to first token, one engine per process, every engine on the same threads:
-    recompute, vLLM's own prefix-cache hit (the floor: nothing moves), KVLabConnector in
-    each of ``modes`` (memory and disk, same process and a new one; whole-step also with
-    every memory hit checksummed) and vLLM's ExampleConnector, each warm case ``repeats``
-    times over the prompts. Each warm row also says whether its outputs equal recompute's."""
+    """Time to first token, one engine per process, every engine on the same threads and
+    with vLLM's prefix cache on: recompute (first sight), vLLM's own prefix-cache hit (the
+    floor: the KV is in place, nothing moves), and the same prompts served through
+    KVLabConnector in each of ``modes`` (memory; disk in the same process and in a new
+    one; whole-step also with every memory hit checksummed) and vLLM's ExampleConnector,
+    vLLM's prefix cache emptied before each of those. Every engine also records its own
+    prefix-hit time between its warm runs (``engine_floor_s``: how much the engine itself
+    drifts). Each warm row also says whether its outputs equal recompute's; overheads
+    come from :func:`with_overheads`."""
     workdir = Path(workdir)
-    common = {"model": model, "dtype": dtype, "block_size": block_size}
+    common = {"model": model, "dtype": dtype, "block_size": block_size, "prefix_caching": True}
     kvlab = {"chunk_size": chunk_size} if chunk_size else {}
-    warm, disk = ("warm",) * repeats, ("warm-disk",) * repeats
-    plans = [
-        ("vLLM prefix cache", EngineSpec(**common, prefix_caching=True, phases=("cold", *warm)),
-         {"cold": "recompute", "warm": "vLLM prefix hit"}),
-    ]
+
+    def paired(*phases: str) -> tuple[str, ...]:
+        return tuple(p for _ in range(repeats) for phase in phases for p in ("floor", phase))
+
+    plans = [("vLLM prefix cache", EngineSpec(**common, phases=("cold",) + ("floor",) * repeats),
+              {"cold": "recompute", "floor": "vLLM prefix hit"})]
     for mode in modes:
         extra = {**kvlab, "layerwise": mode == "layerwise", "store": "disk", "disk_path": str(workdir / f"kvlab-{mode}")}
-        plans.append((f"KVLab {mode}", EngineSpec(**common, connector="kvlab", extra=extra, phases=("cold", *warm, *disk)),
+        plans.append((f"KVLab {mode}", EngineSpec(**common, connector="kvlab", extra=extra,
+                                                  phases=("cold", *paired("warm", "warm-disk"))),
                       {"warm": f"KVLab {mode}, memory", "warm-disk": f"KVLab {mode}, disk"}))
-        plans.append((f"KVLab {mode} new process", EngineSpec(**common, connector="kvlab", extra=extra, phases=disk),
+        plans.append((f"KVLab {mode} new process", EngineSpec(**common, connector="kvlab", extra=extra,
+                                                              phases=("warm-disk", *paired("warm-disk"))),
                       {"warm-disk": f"KVLab {mode}, disk, new process"}))
         if mode == "whole-step":
             checked = {**kvlab, "verify": "always"}
-            plans.append((f"KVLab {mode} checked", EngineSpec(**common, connector="kvlab", extra=checked, phases=("cold", *warm)),
+            plans.append((f"KVLab {mode} checked", EngineSpec(**common, connector="kvlab", extra=checked,
+                                                              phases=("cold", *paired("warm"))),
                           {"warm": f"KVLab {mode}, memory, CRC at every hit"}))
     plans.append(("ExampleConnector", EngineSpec(**common, connector="example", workdir=str(workdir / "example"),
-                                                 phases=("cold", *warm)),
+                                                 phases=("cold", *paired("warm"))),
                   {"warm": "ExampleConnector"}))
     rows, results = [], {}
     for name, spec, labels in tqdm(plans, desc="engines", unit="engine"):
         results[name] = run_engine(spec, prompts)
+        floor = summarize("floor", results[name], "floor")["median_s"]
         for phase, label in labels.items():
             row = summarize(label, results[name], phase, connector=spec.connector, model=Path(model).name,
                             dtype=dtype, new_process=name.endswith("new process"))
             row.update(same_outputs(results["vLLM prefix cache"], results[name], "cold", phase))
+            row["engine_floor_s"] = floor
             rows.append(row)
+    return with_overheads(rows)
+
+
+def with_overheads(rows: list[dict]) -> list[dict]:
+    """Each warm row's overhead: its median minus the median of vLLM's own prefix-cache hit
+    in the engine without a connector (the floor: the KV is in place, nothing moves)."""
     floor = next(r["median_s"] for r in rows if r["scenario"] == "vLLM prefix hit")
-    for row in rows:
-        row["overhead_s"] = row["median_s"] - floor if row["phase"] != "cold" else None
-    return rows
+    return [{**r, "overhead_s": None if r["phase"] == "cold" else r["median_s"] - floor} for r in rows]
 
 
 if __name__ == "__main__":

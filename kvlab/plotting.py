@@ -427,8 +427,8 @@ def hooks_timeline(rows: Sequence[dict], title: str = "") -> plt.Figure:
 
 
 def ttft_figure(rows: Sequence[dict], title: str = "") -> plt.Figure:
-    """Median time to first token per scenario (whiskers: min to max over the prompts), with
-    vLLM's own prefix-cache hit as the floor: a connector's overhead is the gap to it."""
+    """Median time to first token per scenario (whiskers: min to max over the samples), with
+    vLLM's own prefix-cache hit as the floor; each connector's overhead over it in brackets."""
     rows = list(rows)
     fig, ax = plt.subplots(figsize=(7.5, 0.8 + 0.38 * max(len(rows), 1)))
     colours = {"none": "#7f7f7f", "kvlab": "#1f77b4", "example": "#ff7f0e", "lmcache": "#2ca02c"}
