@@ -212,7 +212,7 @@ def _geometry(vllm_config: VllmConfig, num_layers: int, dtype: torch.dtype) -> M
                          model.get_head_size(), dtype, block_size)
 
 
-def _on_cpu(vllm_config: VllmConfig) -> bool:
+def _on_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
@@ -236,9 +236,7 @@ class KVLabConnector(KVConnectorBase_V1):
         self._loads: list[LayerwiseLoad] = []
         self._pending_saves: list[tuple[SaveSpec, KVCache]] = []
         self._load_errors: set[int] = set()
-        # chunk copies may use every core this process may run on: vLLM's CPU engine runs
-        # the model on fewer threads than that, and nothing else computes during a load
-        self._copy_workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        self._copy_workers = 1
 
     @property
     def store(self) -> KVStore:
@@ -261,7 +259,7 @@ class KVLabConnector(KVConnectorBase_V1):
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config if vllm_config.kv_transfer_config else {}
         if not ConnectorConfig.parse(extra).enable_cross_layers_blocks:
             return None
-        if _on_cpu(vllm_config):
+        if _on_cpu():
             logger.warning("KVLabConnector: enable_cross_layers_blocks is ignored on CPU (CPU_ATTN supports "
                            "only LBHNC); falling back to per-layer blocks")
             return None
@@ -278,7 +276,7 @@ class KVLabConnector(KVConnectorBase_V1):
         dtype = (first[0] if isinstance(first, (tuple, list)) else first).dtype
         geometry = _geometry(self._vllm_config, len(kv_caches), dtype)
         layers = {name: tuple(v) if isinstance(v, list) else v for name, v in kv_caches.items()}
-        candidates = (["CPU_LBHNC"] if _on_cpu(self._vllm_config) else []) + list(VLLM_V29_LAYOUTS)
+        candidates = (["CPU_LBHNC"] if _on_cpu() else []) + list(VLLM_V29_LAYOUTS)
         candidates += [n for n in LAYOUTS if n not in candidates]
         num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
         self._register(adopt(layers, geometry, candidates, num_blocks))
@@ -302,6 +300,10 @@ class KVLabConnector(KVConnectorBase_V1):
 
     def _register(self, cache: KVCache) -> None:
         self.cache = cache
+        if cache.storage[0].device.type == "cpu" and hasattr(os, "sched_getaffinity"):
+            # chunk copies may use every core this process may run on: vLLM's CPU engine runs
+            # the model on fewer threads, and nothing else computes during a load
+            self._copy_workers = len(os.sched_getaffinity(0))
         self._layer_index = {name: i for i, name in enumerate(cache.layers)}
         self._shared.signature = signature(cache)
         self.stats.layout = cache.layout.name
