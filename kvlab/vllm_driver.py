@@ -20,6 +20,7 @@ from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
+from kvlab import hooks
 from kvlab.connector import KVLabConnector, KVLabMetadata
 from kvlab.geometry import ModelGeometry
 from kvlab.layouts import allocate, layer_name
@@ -105,9 +106,11 @@ def schedule(req_id: str, prompt: list[int], block_ids: list[int], computed: int
 
 
 def prefill(scheduler: KVLabConnector, worker: KVLabConnector, req_id: str, prompt: list[int],
-            block_ids: list[int], layerwise: bool = False) -> dict[str, Any]:
+            block_ids: list[int], layerwise: bool = False, ascend_hooks: bool = False) -> dict[str, Any]:
     """One prefill step of one request through both sides, in vLLM's call order (lookup,
-    allocation, metadata, load, per-layer hooks, save). Returns hits and times."""
+    allocation, metadata, load, per-layer hooks, save). With ``ascend_hooks`` the per-layer
+    calls go through kvlab.hooks with one metadata object for every layer, as vllm-ascend's
+    attention makes them. Returns hits and times."""
     request = SimpleNamespace(request_id=req_id, prompt_token_ids=prompt)
     hit, _ = scheduler.get_num_new_matched_tokens(request, 0)
     scheduler.update_state_after_alloc(request, None, hit)
@@ -116,8 +119,13 @@ def prefill(scheduler: KVLabConnector, worker: KVLabConnector, req_id: str, prom
     worker.bind_connector_metadata(meta)
     start = time.perf_counter()
     worker.start_load_kv(None)
-    for name in worker.cache.layers:
-        if layerwise:
+    if ascend_hooks:
+        with hooks.connector_active(worker, SimpleNamespace(num_actual_tokens=len(prompt) - hit)):
+            for name, kv in worker.cache.layers.items():
+                hooks.wait_for_kv_layer_from_connector(name)
+                hooks.maybe_save_kv_layer_to_connector(name, kv)
+    elif layerwise:
+        for name in worker.cache.layers:
             worker.wait_for_layer_load(name)
             worker.save_kv_layer(name, worker.cache.layers[name], None)
     loaded = time.perf_counter()

@@ -86,6 +86,25 @@ def test_round_trip_bit_exact(variant: str, layerwise: bool) -> None:
         assert worker.stats.load_segments >= 7 * geometry.num_layers
 
 
+@pytest.mark.parametrize("layout, geometry", [("ascend_kv_tuple", GQA), ("ascend_mla_tuple", MLA)])
+def test_layerwise_through_ascend_style_hooks(layout: str, geometry: ModelGeometry) -> None:
+    """The connector driven by kvlab.hooks the way vllm-ascend's attention drives it: one
+    metadata object for all layers, each layer's KV a (k, v) or (nope, rope) tuple."""
+    scheduler, worker = connectors(geometry, {"layerwise": True})
+    worker.register_kv_caches(allocate(layout, geometry, NUM_BLOCKS).layers)
+    for tensor in worker.cache.storage:
+        tensor.view(torch.int16).random_()
+    prompt = list(range(4 * geometry.block_size + 1))
+    prefill(scheduler, worker, "a", prompt, [4, 9, 2, 7, 1], ascend_hooks=True)
+    assert worker.stats.saved_blocks == 4  # saved layer by layer from save_kv_layer
+    expected = block_bytes(worker, [4, 9, 2, 7])
+    for tensor in worker.cache.storage:
+        tensor.zero_()
+    assert prefill(scheduler, worker, "b", prompt, [10, 3, 8, 5, 6], ascend_hooks=True)["hit_tokens"] == 4 * geometry.block_size
+    assert all(torch.equal(a, b) for a, b in zip(expected, block_bytes(worker, [10, 3, 8, 5])))
+    assert worker.stats.save_segments == 4 * len(worker.cache.storage)  # a run per block per (layer, part) tensor
+
+
 def test_cross_layer_views_are_recognised_as_block_major() -> None:
     _, worker = connectors(GQA)
     register(worker, "vllm>=0.29 BLHNC", GQA, NUM_BLOCKS)
