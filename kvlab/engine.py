@@ -57,9 +57,10 @@ class EngineSpec:
     Phases: "cold" (first sight), "floor" (again, served by vLLM's own prefix cache:
     nothing moves), "warm" (vLLM's prefix cache emptied before each prompt when it is on,
     so the prefix can only come from the connector), "warm-disk" (also the connector's
-    in-memory tier emptied, so KV comes from disk). A phase named more than once is
-    repeated and its rows pooled; alternating "floor" and "warm" pairs each connector
-    sample with a floor sample from the same engine.
+    in-memory tier emptied, so KV comes from disk). "cold" runs every prompt first; the
+    other phases then run in order for one prompt after another. A phase named more than
+    once is repeated and its rows pooled; alternating "floor" and "warm" pairs each
+    connector sample with a floor sample of the same prompt in the same engine.
     """
 
     model: str
@@ -110,24 +111,29 @@ def _child(job_path: str, out_path: str) -> None:
     result: dict[str, Any] = {"phases": {}}
     if "floor" in spec.phases and not spec.prefix_caching:
         raise ValueError("the floor phase needs prefix caching on")
-    for phase in spec.phases:
-        rows = result["phases"].setdefault(phase, [])
-        for index, ids in enumerate(job["prompts"]):
-            if phase == "warm-disk":
-                from kvlab.connector import drop_memory_tiers
+    # "cold" is every prompt's first sight; the other phases run prompt by prompt, so a
+    # "floor" right after a warm run of the same prompt really is vLLM's own prefix hit
+    # (emptying vLLM's prefix cache for one prompt's warm run empties it for all).
+    firsts = [p for p in spec.phases if p == "cold"]
+    schedule = [(phase, i) for phase in firsts for i in range(len(job["prompts"]))]
+    schedule += [(phase, i) for i in range(len(job["prompts"])) for phase in spec.phases if phase != "cold"]
+    for phase, index in schedule:
+        ids = job["prompts"][index]
+        if phase == "warm-disk":
+            from kvlab.connector import drop_memory_tiers
 
-                drop_memory_tiers()
-            if phase.startswith("warm") and spec.prefix_caching:
-                llm.reset_prefix_cache()  # vLLM's own copy goes; the connector's store stays
-            start = time.perf_counter()
-            output = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
-            seconds = time.perf_counter() - start
-            completion = output.outputs[0]
-            rows.append({
-                "prompt": index, "seconds": seconds, "prompt_tokens": len(ids), "cached_tokens": output.num_cached_tokens or 0,
-                "token_ids": list(completion.token_ids),
-                "logprobs": [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)],
-            })
+            drop_memory_tiers()
+        if phase.startswith("warm") and spec.prefix_caching:
+            llm.reset_prefix_cache()  # vLLM's own copy goes; the connector's store stays
+        start = time.perf_counter()
+        output = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+        seconds = time.perf_counter() - start
+        completion = output.outputs[0]
+        result["phases"].setdefault(phase, []).append({
+            "prompt": index, "seconds": seconds, "prompt_tokens": len(ids), "cached_tokens": output.num_cached_tokens or 0,
+            "token_ids": list(completion.token_ids),
+            "logprobs": [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)],
+        })
     if spec.connector == "kvlab":
         from kvlab.connector import all_stats
 
@@ -177,8 +183,8 @@ def ttft_scenarios(model: str, prompts: list[list[int]], workdir: str | Path, dt
     common = {"model": model, "dtype": dtype, "block_size": block_size, "prefix_caching": True}
     kvlab = {"chunk_size": chunk_size} if chunk_size else {}
 
-    def paired(*phases: str) -> tuple[str, ...]:
-        return tuple(p for _ in range(repeats) for phase in phases for p in ("floor", phase))
+    def paired(*phases: str) -> tuple[str, ...]:  # each floor right after a warm run of its prompt
+        return tuple(p for _ in range(repeats) for phase in phases for p in (phase, "floor"))
 
     plans = [("vLLM prefix cache", EngineSpec(**common, phases=("cold",) + ("floor",) * repeats),
               {"cold": "recompute", "floor": "vLLM prefix hit"})]
@@ -188,7 +194,7 @@ def ttft_scenarios(model: str, prompts: list[list[int]], workdir: str | Path, dt
                                                   phases=("cold", *paired("warm", "warm-disk"))),
                       {"warm": f"KVLab {mode}, memory", "warm-disk": f"KVLab {mode}, disk"}))
         plans.append((f"KVLab {mode} new process", EngineSpec(**common, connector="kvlab", extra=extra,
-                                                              phases=("warm-disk", *paired("warm-disk"))),
+                                                              phases=paired("warm-disk")),
                       {"warm-disk": f"KVLab {mode}, disk, new process"}))
         if mode == "whole-step":
             checked = {**kvlab, "verify": "always"}
@@ -212,10 +218,13 @@ def ttft_scenarios(model: str, prompts: list[list[int]], workdir: str | Path, dt
 
 
 def with_overheads(rows: list[dict]) -> list[dict]:
-    """Each warm row's overhead: its median minus the median of vLLM's own prefix-cache hit
-    in the engine without a connector (the floor: the KV is in place, nothing moves)."""
-    floor = next(r["median_s"] for r in rows if r["scenario"] == "vLLM prefix hit")
-    return [{**r, "overhead_s": None if r["phase"] == "cold" else r["median_s"] - floor} for r in rows]
+    """Each warm row's overhead: its median minus the floor, vLLM's own prefix-cache hit
+    (the KV is in place, nothing moves) measured in the same engine between its warm runs,
+    which cancels drift between engines; ``overhead_vs_plain_s`` uses the engine without a
+    connector instead."""
+    plain = next(r["median_s"] for r in rows if r["scenario"] == "vLLM prefix hit")
+    return [{**r, "overhead_s": None if r["phase"] == "cold" else r["median_s"] - r.get("engine_floor_s", plain),
+             "overhead_vs_plain_s": None if r["phase"] == "cold" else r["median_s"] - plain} for r in rows]
 
 
 if __name__ == "__main__":
