@@ -32,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvlab.geometry import ModelGeometry
-from kvlab.layouts import KVCache, LAYOUTS, VLLM_V29_LAYOUTS, adopt, allocate, layer_name
+from kvlab.layouts import KVCache, LAYOUTS, VLLM_V29_LAYOUTS, adopt, allocate, compatible_layouts, layer_name
 from kvlab.store import Chunk, KVStore, block_hashes, signature
 from kvlab.transfer import METHODS, LayerwiseLoad, Transfer, copy_plan, host_buffer, run_all
 
@@ -276,8 +276,8 @@ class KVLabConnector(KVConnectorBase_V1):
         dtype = (first[0] if isinstance(first, (tuple, list)) else first).dtype
         geometry = _geometry(self._vllm_config, len(kv_caches), dtype)
         layers = {name: tuple(v) if isinstance(v, list) else v for name, v in kv_caches.items()}
-        candidates = (["CPU_LBHNC"] if _on_cpu() else []) + list(VLLM_V29_LAYOUTS)
-        candidates += [n for n in LAYOUTS if n not in candidates]
+        preferred = (["CPU_LBHNC"] if _on_cpu() else []) + list(VLLM_V29_LAYOUTS)
+        candidates = preferred + [n for n in compatible_layouts(geometry, chunk_formats=False) if n not in preferred]
         num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
         self._register(adopt(layers, geometry, candidates, num_blocks))
 

@@ -80,6 +80,9 @@ def run_engine(spec: EngineSpec, prompts: list[list[int]], timeout: float = 900)
     return per-phase, per-prompt first-token times, outputs, cache hits and connector stats."""
     if not prompts or not all(prompts):
         raise ValueError("need at least one non-empty prompt")
+    if not (Path(spec.model) / "config.json").exists():
+        raise FileNotFoundError(f"no model folder at {spec.model} (a folder with config.json; "
+                                "kvlab.models.model_path gives the prepared ones)")
     with tempfile.TemporaryDirectory() as tmp:
         job = Path(tmp) / "job.json"
         out = Path(tmp) / "out.json"
@@ -99,6 +102,8 @@ def _child(job_path: str, out_path: str) -> None:
 
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
+
+    from kvlab.connector import drop_memory_tiers
 
     job = json.loads(Path(job_path).read_text())
     spec = EngineSpec(**job["spec"])
@@ -120,8 +125,6 @@ def _child(job_path: str, out_path: str) -> None:
     for phase, index in schedule:
         ids = job["prompts"][index]
         if phase == "warm-disk":
-            from kvlab.connector import drop_memory_tiers
-
             drop_memory_tiers()
         if phase.startswith("warm") and spec.prefix_caching:
             llm.reset_prefix_cache()  # vLLM's own copy goes; the connector's store stays
@@ -222,7 +225,9 @@ def with_overheads(rows: list[dict]) -> list[dict]:
     (the KV is in place, nothing moves) measured in the same engine between its warm runs,
     which cancels drift between engines; ``overhead_vs_plain_s`` uses the engine without a
     connector instead."""
-    plain = next(r["median_s"] for r in rows if r["scenario"] == "vLLM prefix hit")
+    plain = next((r["median_s"] for r in rows if r["scenario"] == "vLLM prefix hit"), None)
+    if plain is None:
+        raise ValueError("these rows have no 'vLLM prefix hit' row (the floor): rows of ttft_scenarios are needed")
     return [{**r, "overhead_s": None if r["phase"] == "cold" else r["median_s"] - r.get("engine_floor_s", plain),
              "overhead_vs_plain_s": None if r["phase"] == "cold" else r["median_s"] - plain} for r in rows]
 

@@ -121,6 +121,8 @@ class KVStore:
         self.bytes = 0
         if self.disk_path is not None:
             self.disk_path = Path(self.disk_path)
+            if self.disk_path.exists() and not self.disk_path.is_dir():
+                raise ValueError(f"the store's disk_path {self.disk_path} is a file, not a folder")
             self.disk_path.mkdir(parents=True, exist_ok=True)
             self._disk_index: dict[str, tuple[str, int]] = {}
             for path in self.disk_path.glob(f"*{_SUFFIX}"):
@@ -307,27 +309,18 @@ def _geometry_fields(g: ModelGeometry) -> dict:
             "kv_lora_rank": g.kv_lora_rank, "qk_rope_head_dim": g.qk_rope_head_dim}
 
 
-def _parse_header(data: bytes, path: Path) -> tuple[dict, int]:
-    if not data.startswith(_MAGIC) or len(data) < len(_MAGIC) + 8:
-        raise ValueError(f"{path} is not a kvlab chunk file")
-    (length,) = struct.unpack_from("<Q", data, len(_MAGIC))
-    start = len(_MAGIC) + 8
-    if length > len(data) - start:
-        raise ValueError(f"{path}: damaged header (length {length})")
-    try:
-        header = json.loads(data[start:start + length])
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: damaged header ({e})") from None
-    return header, start + length
-
-
 def _read_header(path: Path) -> dict:
+    """A chunk file's JSON header, with ``_end``: where its payload starts."""
+    start = len(_MAGIC) + 8
     with open(path, "rb") as f:
-        head = f.read(len(_MAGIC) + 8)
-        if len(head) < len(_MAGIC) + 8:
+        head = f.read(start)
+        if len(head) < start or not head.startswith(_MAGIC):
             raise ValueError(f"{path} is not a kvlab chunk file")
         (length,) = struct.unpack_from("<Q", head, len(_MAGIC))
-        if length > path.stat().st_size:
+        if length > path.stat().st_size - start:
             raise ValueError(f"{path}: damaged header (length {length})")
-        header, end = _parse_header(head + f.read(length), path)
-        return {**header, "_end": end}
+        try:
+            header = json.loads(f.read(length))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: damaged header ({e})") from None
+    return {**header, "_end": start + length}

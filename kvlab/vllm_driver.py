@@ -142,6 +142,8 @@ def registration_costs(geometry: ModelGeometry, tokens: int, ways: list[str], re
     from kvlab.connector import reset_stores
 
     blocks = tokens // geometry.block_size
+    if blocks < 1:
+        raise ValueError(f"tokens must cover at least one block of {geometry.block_size}, got {tokens}")
     num_blocks = 2 * blocks + 2
     rows = []
     # every connector built here would log vLLM's "this API is experimental" warning

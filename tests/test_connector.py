@@ -61,8 +61,6 @@ VARIANTS = [
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_round_trip_bit_exact(variant: str, layerwise: bool) -> None:
     geometry = GQA
-    if variant.startswith("vllm>=0.29 CPU_"):
-        variant = "vllm>=0.29 LBHNC"
     scheduler, worker = connectors(geometry, {"layerwise": layerwise, "chunk_size": 3 * BS})
     register(worker, variant, geometry, NUM_BLOCKS)
     for tensor in worker.cache.storage:

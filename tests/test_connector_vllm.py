@@ -72,3 +72,18 @@ def test_damaged_store_entry_is_recomputed(smollm2, prompts, tmp_path: Path) -> 
     assert second["connector"]["default"]["store"]["corrupt"] >= 1
     agreement = same_outputs(first, second, "cold", "warm")
     assert agreement["identical"] == 2 and agreement["max_logprob_diff"] == 0.0
+
+
+def test_engine_and_table_bad_input(tmp_path: Path) -> None:
+    from kvlab.engine import with_overheads
+    from kvlab.geometry import preset
+    from kvlab.vllm_driver import registration_costs
+
+    with pytest.raises(FileNotFoundError, match="no model folder"):
+        run_engine(EngineSpec(str(tmp_path / "missing")), [[1, 2, 3]])
+    with pytest.raises(ValueError, match="non-empty prompt"):
+        run_engine(EngineSpec(str(tmp_path)), [[]])
+    with pytest.raises(ValueError, match="no 'vLLM prefix hit' row"):
+        with_overheads([{"scenario": "KVLab whole-step, memory", "phase": "warm", "median_s": 0.1}])
+    with pytest.raises(ValueError, match="at least one block"):
+        registration_costs(preset("smollm2-135m"), 8, ["vllm>=0.29 LBHNC"])

@@ -141,3 +141,10 @@ def test_disk_budget_removes_oldest_files(tmp_path: Path) -> None:
 def test_bad_settings(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         KVStore(**kwargs)
+
+
+def test_disk_path_that_is_a_file(tmp_path: Path) -> None:
+    path = tmp_path / "not-a-folder"
+    path.write_text("x")
+    with pytest.raises(ValueError, match="is a file, not a folder"):
+        KVStore(disk_path=path)
