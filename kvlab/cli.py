@@ -1,4 +1,4 @@
-"""Command line: ``python -m kvlab layout|bench|layerwise|notebooks|models ...``.
+"""Command line: ``python -m kvlab layout|bench|layerwise|notebooks|models|lmeval ...``.
 
 Imports torch only at start-up (matplotlib where a report needs it), so ``bench`` runs on
 a bare GPU machine.
@@ -128,6 +128,33 @@ def run_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_lmeval(args: argparse.Namespace) -> int:
+    """gsm8k-style problems (reasoning-gym) through lm-eval's vLLM backend, with and/or
+    without KVLabConnector, one engine per process; prints the scores, hits and times."""
+    import tempfile
+    from pathlib import Path
+
+    from kvlab import lmeval, models
+
+    try:
+        model = args.model if Path(args.model).is_dir() else models.model_path(args.model)
+    except FileNotFoundError as exc:
+        print(f"kvlab: error: {exc}", file=sys.stderr)
+        return 2
+    connectors = {"both": ["none", "kvlab"], "all": ["none", "vllm-prefix-cache", "kvlab"]}.get(args.connector,
+                                                                                                [args.connector])
+    with tempfile.TemporaryDirectory() as tmp:
+        task_dir = lmeval.write_task(args.task_dir or tmp, seed=args.seed)
+        rows = lmeval.compare_connectors(model, task_dir, connectors, limit=args.limit, num_fewshot=args.num_fewshot,
+                                         seed=args.seed, max_gen_toks=args.max_gen_toks)
+    print(lmeval.format_rows(rows))
+    for connector in connectors:
+        row = next(r for r in rows if r["connector"] == connector)
+        print(f"{connector}: {row['wall_s']:.1f} s, connector hits {row['hit_tokens']} tokens, "
+              f"generations identical to {connectors[0]}: {row['identical_generations']} of {row['problems']}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvlab", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -186,6 +213,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         models_parser.add_argument("--models-dir", default=None,
                                    help="where the folders are (default $KVLAB_MODELS_DIR or data/models)")
 
+    ev = sub.add_parser("lmeval", help="lm-eval's vLLM backend on local gsm8k-style problems, with/without KVLabConnector")
+    ev.add_argument("--model", default="smollm2-135m-instruct-fp32", help="a prepared model name or a model folder")
+    ev.add_argument("--connector", choices=["none", "kvlab", "vllm-prefix-cache", "both", "all"], default="both",
+                    help="both: none and kvlab; all: also vLLM's own prefix cache (the control)")
+    ev.add_argument("--limit", type=int, default=8, help="problems evaluated")
+    ev.add_argument("--num-fewshot", type=int, default=5)
+    ev.add_argument("--max-gen-toks", type=int, default=200)
+    ev.add_argument("--seed", type=int, default=0, help="problem generator and engine seed")
+    ev.add_argument("--task-dir", default=None, help="where the task folder is written (default: a temporary one)")
+
     args = parser.parse_args(argv)
     try:
         if args.command == "layout":
@@ -204,6 +241,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_layerwise(args)
         elif args.command == "models":
             return run_models(args)
+        elif args.command == "lmeval":
+            return run_lmeval(args)
         else:
             from kvlab.notebooks import run_notebooks
 

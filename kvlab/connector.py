@@ -150,6 +150,18 @@ def drop_memory_tiers() -> None:
         entry.store.clear()
 
 
+def zero_memory_tiers() -> None:
+    """Zero the KV of every chunk held in memory, checksums left as they were: a
+    sensitivity control for accuracy checks. The memory tier is trusted by default
+    (``verify="disk"``), so the next hits load zeros, and a check that still passes after
+    this cannot be looking at the reloaded KV."""
+    with torch.inference_mode():  # the chunks were made under vLLM's inference mode
+        for entry in _SHARED.values():
+            for chunk in entry.store.memory_chunks():
+                for tensor in chunk.buffer.storage:
+                    tensor.zero_()
+
+
 def all_stats() -> dict[str, dict]:
     """Connector and store counters of every store in this process, by store name."""
     return {key[0]: {**asdict(entry.stats), "store": asdict(entry.store.stats)} for key, entry in _SHARED.items()}

@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,16 +32,35 @@ PINNED_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 
-CONNECTORS = ("none", "kvlab", "example")
+CONNECTORS = ("none", "kvlab", "example", "lmcache")
+# Seconds LMCacheMPConnector waits for each reply of its server (its default, 300, turns a
+# dead server into a hang of minutes; after this it recomputes, see kvlab.lmcache).
+LMCACHE_MQ_TIMEOUT = 10.0
 
 
 def kv_transfer_config(connector: str, extra: dict[str, Any] | None = None, workdir: str | Path | None = None) -> dict | None:
     """The ``kv_transfer_config`` of an engine: KVLabConnector, vLLM's ExampleConnector
-    (files under ``workdir``) or none."""
+    (files under ``workdir``), LMCacheMPConnector or none.
+
+    For "lmcache", ``extra`` is ``{"port": P}``, the port of the ``lmcache server`` on
+    127.0.0.1 (kvlab.lmcache.LMCacheServer runs one and gives this dict); its other keys
+    are LMCacheMPConnector options without their "lmcache.mp." prefix ("mq_timeout"
+    defaults to LMCACHE_MQ_TIMEOUT).
+    """
     if connector not in CONNECTORS:
         raise ValueError(f"connector must be one of {list(CONNECTORS)}, got {connector!r}")
     if connector == "none":
         return None
+    if connector == "lmcache":
+        options = {"mq_timeout": LMCACHE_MQ_TIMEOUT, **(extra or {})}
+        if "port" not in options:
+            raise ValueError("the lmcache connector needs the LMCache server's port: extra={'port': P} "
+                             "(kvlab.lmcache.LMCacheServer.engine_extra gives it)")
+        port = int(options.pop("port"))
+        return {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+                "kv_load_failure_policy": "recompute",  # vLLM's default fails the request
+                "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port,
+                                              **{f"lmcache.mp.{key}": value for key, value in options.items()}}}
     if connector == "kvlab":
         return {"kv_connector": "KVLabConnector", "kv_connector_module_path": "kvlab.connector",
                 "kv_role": "kv_both", "kv_connector_extra_config": dict(extra or {})}
@@ -61,6 +81,14 @@ class EngineSpec:
     other phases then run in order for one prompt after another. A phase named more than
     once is repeated and its rows pooled; alternating "floor" and "warm" pairs each
     connector sample with a floor sample of the same prompt in the same engine.
+    "warm-zeroed" runs after everything else: KVLabConnector's in-memory chunks are
+    zeroed first, so its outputs show whether a check is sensitive to the reloaded KV.
+
+    ``batch`` sends all prompts of a phase in one call (task runs: faster, and no
+    per-prompt timing); ``max_num_batched_tokens`` at least the batch's prompt tokens
+    prefills it in one step (vLLM's ExampleConnector stores a request's first prefill
+    chunk under the whole prompt's key, so chunked prefills break its loads). ``stop``
+    ends generations at these strings.
     """
 
     model: str
@@ -73,20 +101,40 @@ class EngineSpec:
     max_tokens: int = 1
     max_model_len: int = 4096
     workdir: str | None = None
+    batch: bool = False
+    stop: tuple[str, ...] = ()
+    max_num_batched_tokens: int | None = None
 
 
-def run_engine(spec: EngineSpec, prompts: list[list[int]], timeout: float = 900) -> dict:
-    """Start ``spec`` in a new process, run its phases over ``prompts`` (token ids) and
-    return per-phase, per-prompt first-token times, outputs, cache hits and connector stats."""
+def check_inputs(model: str | Path, prompts: list[list[int]]) -> None:
+    """A clear error, before any engine starts, for a missing model folder or no prompts."""
     if not prompts or not all(prompts):
         raise ValueError("need at least one non-empty prompt")
-    if not (Path(spec.model) / "config.json").exists():
-        raise FileNotFoundError(f"no model folder at {spec.model} (a folder with config.json; "
+    if not (Path(model) / "config.json").exists():
+        raise FileNotFoundError(f"no model folder at {model} (a folder with config.json; "
                                 "kvlab.models.model_path gives the prepared ones)")
+
+
+def run_engine(spec: EngineSpec, prompts: list[list[int]], timeout: float = 900,
+               forced: list[list[int] | None] | None = None) -> dict:
+    """Start ``spec`` in a new process, run its phases over ``prompts`` (token ids) and
+    return per-phase, per-prompt first-token times, outputs, cache hits, the time the
+    model runner spent inside the connector, and connector stats.
+
+    ``forced[i]``, when given, makes prompt i a scoring request: the engine is made to
+    emit exactly those tokens (teacher forcing) and reports each one's logprob under the
+    raw model, computed on top of whatever KV the prompt's prefix got: vLLM's
+    ``prompt_logprobs`` cannot do this, it skips cached prefixes."""
+    check_inputs(spec.model, prompts)
+    if forced is not None and (len(forced) != len(prompts) or any(f is not None and not f for f in forced)):
+        raise ValueError("forced needs one entry per prompt: a non-empty token list or None")
+    if max(map(len, prompts)) + max(len(f or ()) for f in (forced or [None])) + spec.max_tokens > spec.max_model_len:
+        raise ValueError(f"a prompt of {max(map(len, prompts))} tokens plus its output does not fit in "
+                         f"max_model_len={spec.max_model_len}")
     with tempfile.TemporaryDirectory() as tmp:
         job = Path(tmp) / "job.json"
         out = Path(tmp) / "out.json"
-        job.write_text(json.dumps({"spec": asdict(spec), "prompts": prompts}))
+        job.write_text(json.dumps({"spec": asdict(spec), "prompts": prompts, "forced": forced}))
         env = {**os.environ, **PINNED_ENV}
         proc = subprocess.run([sys.executable, "-m", "kvlab.engine", str(job), str(out)], env=env,
                               capture_output=True, text=True, timeout=timeout)
@@ -96,47 +144,151 @@ def run_engine(spec: EngineSpec, prompts: list[list[int]], timeout: float = 900)
         return json.loads(out.read_text())
 
 
+def _forced_tokens_processor() -> type:
+    """A vLLM logits processor that makes a request emit ``extra_args["forced_tokens"]``.
+    Everything else is masked after vLLM has taken the raw logprobs (its default
+    ``logprobs_mode``), so each reported logprob is the model's own for that token."""
+    from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
+
+    class ForcedTokens(AdapterLogitsProcessor):
+        def is_argmax_invariant(self) -> bool:
+            return False
+
+        def new_req_logits_processor(self, params):
+            tokens = (params.extra_args or {}).get("forced_tokens")
+            if not tokens:
+                return None
+
+            def force(output_ids: list[int], logits):
+                step = len(output_ids)
+                if step < len(tokens):
+                    logits[:] = float("-inf")
+                    logits[tokens[step]] = 0.0
+                return logits
+            return force
+
+    return ForcedTokens
+
+
+class _ConnectorClock:
+    """Seconds the model runner spends inside the connector's worker-side calls (loads:
+    ``start_load_kv``, ``wait_for_layer_load``; saves: ``save_kv_layer``,
+    ``wait_for_save``), whatever the connector class: what a forward pass pays for it."""
+
+    CALLS = {"start_load_kv": "load_s", "wait_for_layer_load": "load_s",
+             "save_kv_layer": "save_s", "wait_for_save": "save_s"}
+
+    def __init__(self, transfer: dict | None) -> None:
+        self.seconds = {"load_s": 0.0, "save_s": 0.0}
+        if transfer is None:
+            return
+        from vllm.config import KVTransferConfig
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+        cls = KVConnectorFactory.get_connector_class(KVTransferConfig(**transfer))
+        for name, bucket in self.CALLS.items():
+            setattr(cls, name, self._timed(getattr(cls, name), bucket))
+
+    def _timed(self, method, bucket: str):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds[bucket] += time.perf_counter() - start
+        return timed
+
+    def read(self) -> dict[str, float]:
+        """The seconds since the last read."""
+        spent, self.seconds = self.seconds, {"load_s": 0.0, "save_s": 0.0}
+        return spent
+
+
+# Phases run before (cold) and after (warm-zeroed) the prompt-by-prompt ones.
+FIRST_PHASES, LAST_PHASES = ("cold",), ("warm-zeroed",)
+
+
+def _schedule(phases: tuple[str, ...], prompts: int, batch: bool) -> list[tuple[str, list[int]]]:
+    """(phase, prompt indices) per generate call, in order. "cold" sees every prompt
+    first and "warm-zeroed" comes last; the others run prompt by prompt, so a "floor"
+    right after a warm run of the same prompt really is vLLM's own prefix hit (emptying
+    vLLM's prefix cache for one prompt's warm run empties it for all)."""
+    every = list(range(prompts))
+    firsts = [p for p in phases if p in FIRST_PHASES]
+    middle = [p for p in phases if p not in FIRST_PHASES + LAST_PHASES]
+    lasts = [p for p in phases if p in LAST_PHASES]
+    if batch:
+        return [(phase, every) for phase in firsts + middle + lasts]
+    return ([(phase, [i]) for phase in firsts for i in every]
+            + [(phase, [i]) for i in every for phase in middle]
+            + [(phase, [i]) for phase in lasts for i in every])
+
+
+def run_any_engine(spec: EngineSpec, prompts: list[list[int]], lmcache: Any = None, **options: Any) -> dict:
+    """:func:`run_engine`, or for the "lmcache" connector kvlab.lmcache.run_engine on the
+    ``lmcache`` server (checked before the engine starts; a dead server is named)."""
+    if spec.connector != "lmcache":
+        return run_engine(spec, prompts, **options)
+    if lmcache is None:
+        raise ValueError("the lmcache connector needs a running kvlab.lmcache.LMCacheServer")
+    from kvlab.lmcache import run_engine as run_on_server
+
+    return run_on_server(lmcache, spec, prompts, **options)
+
+
 def _child(job_path: str, out_path: str) -> None:
     """The engine process: build the LLM, run the phases, write JSON."""
-    import time
-
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    from kvlab.connector import drop_memory_tiers
+    from kvlab.connector import drop_memory_tiers, zero_memory_tiers
 
     job = json.loads(Path(job_path).read_text())
-    spec = EngineSpec(**job["spec"])
-    transfer = kv_transfer_config(spec.connector, spec.extra, spec.workdir)
-    llm = LLM(model=spec.model, dtype=spec.dtype, block_size=spec.block_size, enforce_eager=True,
-              enable_prefix_caching=spec.prefix_caching, max_model_len=spec.max_model_len, seed=0,
-              kv_transfer_config=KVTransferConfig(**transfer) if transfer else None)
-    params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, logprobs=1)
-    llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)  # warm-up, no shared prefix
-    result: dict[str, Any] = {"phases": {}}
+    spec = EngineSpec(**{**job["spec"], "stop": tuple(job["spec"]["stop"])})
+    forced = job.get("forced") or [None] * len(job["prompts"])
     if "floor" in spec.phases and not spec.prefix_caching:
         raise ValueError("the floor phase needs prefix caching on")
-    # "cold" is every prompt's first sight; the other phases run prompt by prompt, so a
-    # "floor" right after a warm run of the same prompt really is vLLM's own prefix hit
-    # (emptying vLLM's prefix cache for one prompt's warm run empties it for all).
-    firsts = [p for p in spec.phases if p == "cold"]
-    schedule = [(phase, i) for phase in firsts for i in range(len(job["prompts"]))]
-    schedule += [(phase, i) for i in range(len(job["prompts"])) for phase in spec.phases if phase != "cold"]
-    for phase, index in schedule:
-        ids = job["prompts"][index]
+    transfer = kv_transfer_config(spec.connector, spec.extra, spec.workdir)
+    if spec.connector == "lmcache":
+        from kvlab.lmcache import fix_vllm_cpu_kernel_scan
+
+        fix_vllm_cpu_kernel_scan()
+    clock = _ConnectorClock(transfer)
+    llm = LLM(model=spec.model, dtype=spec.dtype, block_size=spec.block_size, enforce_eager=True,
+              enable_prefix_caching=spec.prefix_caching, max_model_len=spec.max_model_len, seed=0,
+              max_num_batched_tokens=spec.max_num_batched_tokens,
+              kv_transfer_config=KVTransferConfig(**transfer) if transfer else None,
+              logits_processors=[_forced_tokens_processor()] if any(forced) else None)
+
+    def params(tokens: list[int] | None) -> SamplingParams:
+        if tokens:
+            return SamplingParams(max_tokens=len(tokens), temperature=0.0, logprobs=0, ignore_eos=True,
+                                  extra_args={"forced_tokens": tokens})
+        return SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, logprobs=1, stop=list(spec.stop) or None)
+
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], params(None), use_tqdm=False)  # warm-up, no shared prefix
+    clock.read()
+    result: dict[str, Any] = {"phases": {}}
+    for phase, indices in _schedule(spec.phases, len(job["prompts"]), spec.batch):
         if phase == "warm-disk":
             drop_memory_tiers()
+        if phase == "warm-zeroed":
+            zero_memory_tiers()
         if phase.startswith("warm") and spec.prefix_caching:
             llm.reset_prefix_cache()  # vLLM's own copy goes; the connector's store stays
         start = time.perf_counter()
-        output = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+        outputs = llm.generate([{"prompt_token_ids": job["prompts"][i]} for i in indices],
+                               [params(forced[i]) for i in indices], use_tqdm=False)
         seconds = time.perf_counter() - start
-        completion = output.outputs[0]
-        result["phases"].setdefault(phase, []).append({
-            "prompt": index, "seconds": seconds, "prompt_tokens": len(ids), "cached_tokens": output.num_cached_tokens or 0,
-            "token_ids": list(completion.token_ids),
-            "logprobs": [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)],
-        })
+        spent = clock.read()
+        for index, output in zip(indices, outputs):
+            completion = output.outputs[0]
+            result["phases"].setdefault(phase, []).append({
+                "prompt": index, "seconds": seconds, "prompt_tokens": len(job["prompts"][index]),
+                "cached_tokens": output.num_cached_tokens or 0, **spent,
+                "token_ids": list(completion.token_ids),
+                "logprobs": [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)],
+            })
     if spec.connector == "kvlab":
         from kvlab.connector import all_stats
 
@@ -231,6 +383,74 @@ def with_overheads(rows: list[dict]) -> list[dict]:
     return [{**r, "overhead_s": None if r["phase"] == "cold" else r["median_s"] - r.get("engine_floor_s", plain),
              "overhead_vs_plain_s": None if r["phase"] == "cold" else r["median_s"] - plain} for r in rows]
 
+
+def connector_comparison(model: str, prompts: list[list[int]], workdir: str | Path, lmcache: Any = None,
+                         dtype: str = "bfloat16", block_size: int = 32, repeats: int = 3) -> list[dict]:
+    """KVLabConnector, LMCache (on ``lmcache``, a running kvlab.lmcache.LMCacheServer;
+    skipped when None) and
+    vLLM's ExampleConnector on the same prompts, each engine in its own process with vLLM's
+    prefix cache on: time to first token cold (first sight: compute and store) and warm
+    (vLLM's prefix cache emptied: the prefix comes from the connector), each warm sample
+    paired with a floor sample (vLLM's own prefix hit in the same engine).
+
+    Costs and throughputs, end to end as a request sees them, against the engine without a
+    connector: retrieve = warm minus its floor (vLLM's own prefix hit: the KV already in
+    place), store = cold minus its cold; GB/s = KV bytes served from the connector (cached
+    tokens x the model's KV bytes per token) over those costs. ``floor_s`` is each engine's
+    own prefix hit (a connector that slows every request shows there). Also
+    the seconds the model runner blocked inside the connector (``runner_load_s``,
+    ``runner_save_s``; near zero for LMCache, whose server moves KV asynchronously)."""
+    from kvlab.models import geometry_of
+
+    check_inputs(model, prompts)
+    token_bytes = geometry_of(model, dtype=dtype, block_size=block_size).token_bytes
+    workdir = Path(workdir)
+    common = {"model": model, "dtype": dtype, "block_size": block_size, "prefix_caching": True}
+    paired = ("cold",) + ("warm", "floor") * repeats
+    plans = [("no connector", EngineSpec(**common, phases=("cold",) + ("floor",) * repeats))]
+    plans.append(("KVLabConnector", EngineSpec(**common, connector="kvlab", phases=paired)))
+    if lmcache is not None:
+        plans.append(("LMCache", EngineSpec(**common, connector="lmcache", phases=paired)))
+    plans.append(("ExampleConnector", EngineSpec(**common, connector="example", workdir=str(workdir / "example"), phases=paired)))
+    results = {name: run_any_engine(spec, prompts, lmcache) for name, spec in tqdm(plans, desc="connectors", unit="engine")}
+    plain = results["no connector"]
+    rows = []
+    for name, result in results.items():
+        cold, floor = summarize("cold", result, "cold"), summarize("floor", result, "floor")
+        row = {"connector": name, "model": Path(model).name, "dtype": dtype, "prompt_tokens": cold["prompt_tokens"],
+               "cold_s": cold["median_s"], "floor_s": floor["median_s"],
+               "runner_save_s": statistics.median(r["save_s"] for r in result["phases"]["cold"])}
+        if "warm" in result["phases"]:
+            warm = summarize("warm", result, "warm")
+            row.update(warm_s=warm["median_s"], warm_min_s=warm["min_s"], warm_max_s=warm["max_s"],
+                       cached_tokens=warm["cached_tokens"], kv_bytes=warm["cached_tokens"] * token_bytes,
+                       runner_load_s=statistics.median(r["load_s"] for r in result["phases"]["warm"]),
+                       **same_outputs(plain, result, "cold", "warm"))
+        rows.append(row)
+    return connector_costs(rows)
+
+
+def connector_costs(rows: list[dict]) -> list[dict]:
+    """What KV reuse costs a request with each connector, from rows of
+    :func:`connector_comparison` (recorded rows too): ``retrieve_s`` = warm minus the
+    prefix hit of the engine without a connector (the KV already in place), and the KV
+    bytes served over it (``retrieve_gbps``); ``store_gbps`` = the KV bytes over the time
+    the model runner blocked in the connector's save calls (``runner_save_s``: the cold
+    forward's extra work; a difference of two cold prefills, ``cold_overhead_s``, is
+    reported too but drowns in their noise)."""
+    plain = next((r for r in rows if r["connector"] == "no connector"), None)
+    if plain is None:
+        raise ValueError("these rows have no 'no connector' row: rows of connector_comparison are needed")
+    costed = []
+    for row in rows:
+        row = dict(row)
+        if row.get("warm_s") is not None and row["warm_s"] == row["warm_s"]:
+            retrieve = row["warm_s"] - plain["floor_s"]
+            row.update(retrieve_s=retrieve, cold_overhead_s=row["cold_s"] - plain["cold_s"],
+                       retrieve_gbps=row["kv_bytes"] / retrieve / 1e9 if retrieve > 0 else None,
+                       store_gbps=row["kv_bytes"] / row["runner_save_s"] / 1e9 if row["runner_save_s"] > 0 else None)
+        costed.append(row)
+    return costed
 
 if __name__ == "__main__":
     _child(*sys.argv[1:3])

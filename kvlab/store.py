@@ -220,6 +220,11 @@ class KVStore:
             for key in list(self._chunks):
                 self.discard(key, disk=False)
 
+    def memory_chunks(self) -> list[Chunk]:
+        """The chunks held in memory (least recently used first)."""
+        with self._lock:
+            return list(self._chunks.values())
+
     def __len__(self) -> int:
         return len(self._chunks)
 

@@ -5,7 +5,6 @@ Each engine runs in its own process (kvlab.engine)."""
 
 from __future__ import annotations
 
-import importlib.resources
 from pathlib import Path
 
 import pytest
@@ -13,24 +12,6 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvlab.engine import EngineSpec, run_engine, same_outputs  # noqa: E402
-from kvlab.models import model_path  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> str:
-    try:
-        return str(model_path("smollm2-135m-instruct-fp32"))
-    except FileNotFoundError as error:
-        pytest.skip(str(error))
-
-
-@pytest.fixture(scope="module")
-def prompts(smollm2: str) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    text = (importlib.resources.files("reasoning_gym") / "data" / "in_the_year_2889.txt").read_text()
-    ids = AutoTokenizer.from_pretrained(smollm2)(text)["input_ids"]
-    return [ids[1000:1300], ids[5000:5250]]
 
 
 def hits(result: dict, phase: str) -> list[int]:

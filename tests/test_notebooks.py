@@ -39,7 +39,8 @@ def test_explorer_widget_updates():
     assert picture.value != before
 
 
-@pytest.mark.parametrize("notebook, figures", [("02_transfer_timing", 6), ("03_connector_and_hooks", 3)])
+@pytest.mark.parametrize("notebook, figures", [("02_transfer_timing", 6), ("03_connector_and_hooks", 3),
+                                               ("04_accuracy", 3)])
 def test_figures_redraw_from_committed_results(tmp_path, notebook, figures):
     """`make figures`: a measuring notebook measures nothing and draws every figure from data/results."""
     import shutil

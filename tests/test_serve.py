@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import running
 
 pytest.importorskip("vllm")
 
@@ -39,19 +40,6 @@ def text() -> str:
     gym = pytest.importorskip("reasoning_gym")
     story = (importlib.resources.files(gym) / "data" / "in_the_year_2889.txt").read_text()
     return story[5000:7600]
-
-
-def running(pids: list[int]) -> list[int]:
-    """Which of ``pids`` still run (zombies waiting for their parent do not)."""
-    alive = []
-    for pid in pids:
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except FileNotFoundError:
-            continue
-        if stat[stat.rindex(")") + 2] != "Z":
-            alive.append(pid)
-    return alive
 
 
 def cached_tokens(response: dict) -> int:
