@@ -556,9 +556,9 @@ def against_control(rows: Sequence[dict]) -> list[dict]:
     control = next((r for r in rows if r["path"] == CONTROL), None)
     if control is None:
         raise ValueError(f"these rows have no {CONTROL!r} row to compare with")
-    identical = "identical" if "identical" in control else None
+    counts = control.get("identical") is not None and control["identical"] == control["identical"]  # not NaN
     return [{**r, "no_worse_than_control": r["max_logprob_diff"] <= control["max_logprob_diff"]
-             and (identical is None or r[identical] >= control[identical])} for r in rows]
+             and (not counts or r["identical"] >= control["identical"])} for r in rows]
 
 
 def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:

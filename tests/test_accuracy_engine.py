@@ -71,6 +71,8 @@ def test_report_compares_each_path_with_recompute_and_the_control() -> None:
     assert perplexity[RECOMPUTE]["perplexity_zeroed_kv"] is None
     judged = {row["path"]: row["no_worse_than_control"] for row in against_control(report.generations())}
     assert judged == {RECOMPUTE: True, CONTROL: True, "KVLab whole-step": False}  # it lost an identical output
+    mixed = [{**row, "identical": float("nan")} for row in report.perplexity()]  # as a table of all rows reads back
+    assert all(row["no_worse_than_control"] for row in against_control(mixed))
     with pytest.raises(ValueError, match="no 'vLLM prefix-cache hit' row"):
         against_control(report.generations()[2:])
 
