@@ -131,17 +131,23 @@ def run_engine(spec: EngineSpec, prompts: list[list[int]], timeout: float = 900,
     if max(map(len, prompts)) + max(len(f or ()) for f in (forced or [None])) + spec.max_tokens > spec.max_model_len:
         raise ValueError(f"a prompt of {max(map(len, prompts))} tokens plus its output does not fit in "
                          f"max_model_len={spec.max_model_len}")
+    return run_child("kvlab.engine", {"spec": asdict(spec), "prompts": prompts, "forced": forced},
+                     f"engine {spec.connector} on {spec.model}", timeout)
+
+
+def run_child(module: str, job: dict, what: str, timeout: float, env: dict[str, str] | None = None) -> dict:
+    """Run ``python -m module job.json out.json`` with the pinned environment (plus
+    ``env``) and return the JSON it wrote; a failure quotes the end of its output."""
     with tempfile.TemporaryDirectory() as tmp:
-        job = Path(tmp) / "job.json"
-        out = Path(tmp) / "out.json"
-        job.write_text(json.dumps({"spec": asdict(spec), "prompts": prompts, "forced": forced}))
-        env = {**os.environ, **PINNED_ENV}
-        proc = subprocess.run([sys.executable, "-m", "kvlab.engine", str(job), str(out)], env=env,
-                              capture_output=True, text=True, timeout=timeout)
-        if proc.returncode != 0 or not out.exists():
+        job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "out.json"
+        job_path.write_text(json.dumps(job))
+        proc = subprocess.run([sys.executable, "-m", module, str(job_path), str(out_path)],
+                              env={**os.environ, **PINNED_ENV, **(env or {})}, capture_output=True, text=True,
+                              timeout=timeout)
+        if proc.returncode != 0 or not out_path.exists():
             tail = "\n".join((proc.stderr or proc.stdout).splitlines()[-25:])
-            raise RuntimeError(f"engine {spec.connector} on {spec.model} failed (exit {proc.returncode}):\n{tail}")
-        return json.loads(out.read_text())
+            raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{tail}")
+        return json.loads(out_path.read_text())
 
 
 def _forced_tokens_processor() -> type:

@@ -18,15 +18,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from kvlab.engine import PINNED_ENV, kv_transfer_config
+from kvlab.engine import kv_transfer_config, run_child
 
 TASK = "gsm_symbolic_kvlab"
 # "vllm-prefix-cache": no connector, vLLM's own prefix cache on (the control: what vLLM's
@@ -111,17 +108,8 @@ def run_lmeval(model: str | Path, task_dir: str | Path, connector: str = "none",
                                          max_gen_toks=max_gen_toks, extra=extra),
            "task": task, "task_dir": str(Path(task_dir).resolve()), "limit": limit,
            "num_fewshot": num_fewshot, "seed": seed, "batch_size": batch_size}
-    with tempfile.TemporaryDirectory() as tmp:
-        job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "out.json"
-        job_path.write_text(json.dumps(job))
-        start = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "kvlab.lmeval", str(job_path), str(out_path)],
-                              env={**os.environ, **PINNED_ENV, **OFFLINE_ENV}, capture_output=True, text=True,
-                              timeout=timeout)
-        if proc.returncode != 0 or not out_path.exists():
-            tail = "\n".join((proc.stderr or proc.stdout).splitlines()[-25:])
-            raise RuntimeError(f"lm-eval ({connector}) on {model} failed (exit {proc.returncode}):\n{tail}")
-        result = json.loads(out_path.read_text())
+    start = time.perf_counter()
+    result = run_child("kvlab.lmeval", job, f"lm-eval ({connector}) on {model}", timeout, OFFLINE_ENV)
     result["wall_s"] = time.perf_counter() - start
     for row in result["rows"]:
         row["connector"] = connector
