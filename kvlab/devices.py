@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 
 import torch
 
@@ -48,3 +49,26 @@ def synchronize(device: torch.device) -> None:
     """Wait for all work queued on ``device``; a no-op on the CPU, whose ops are synchronous."""
     if device.type not in ("cpu", "meta"):
         getattr(torch, device.type).synchronize(device)
+
+
+def memory_bytes(device: torch.device) -> int | None:
+    """Total memory of ``device`` (the host's RAM for the CPU); None where unknown."""
+    if device.type == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return None
+    if device.type in ("cuda", "npu"):
+        return getattr(torch, device.type).get_device_properties(device).total_memory
+    return None
+
+
+def check_fits(nbytes: int, device: torch.device, what: str) -> None:
+    """Refuse ``what`` when it needs more than all of ``device``'s memory: a clear error
+    now rather than the allocator's (or the kernel's OOM killer) later."""
+    total = memory_bytes(device)
+    if total is not None and nbytes > total:
+        raise ValueError(
+            f"{what} needs {nbytes / 2**30:,.1f} GiB, more than the {total / 2**30:,.1f} GiB of memory "
+            f"this machine's {device.type} has"
+        )

@@ -63,7 +63,8 @@ def kv_transfer_config(connector: str, extra: dict[str, Any] | None = None, work
                                               **{f"lmcache.mp.{key}": value for key, value in options.items()}}}
     if connector == "kvlab":
         return {"kv_connector": "KVLabConnector", "kv_connector_module_path": "kvlab.connector",
-                "kv_role": "kv_both", "kv_connector_extra_config": dict(extra or {})}
+                "kv_role": "kv_both", "kv_load_failure_policy": "recompute",  # a failed load is recomputed
+                "kv_connector_extra_config": dict(extra or {})}
     if workdir is None:
         raise ValueError("ExampleConnector needs a workdir for its files")
     return {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
@@ -88,7 +89,8 @@ class EngineSpec:
     per-prompt timing); ``max_num_batched_tokens`` at least the batch's prompt tokens
     prefills it in one step (vLLM's ExampleConnector stores a request's first prefill
     chunk under the whole prompt's key, so chunked prefills break its loads). ``stop``
-    ends generations at these strings.
+    ends generations at these strings. ``lora_adapters`` (name -> adapter folder) turns
+    LoRA on; :func:`run_engine`'s ``loras`` picks one per prompt.
     """
 
     model: str
@@ -104,6 +106,7 @@ class EngineSpec:
     batch: bool = False
     stop: tuple[str, ...] = ()
     max_num_batched_tokens: int | None = None
+    lora_adapters: dict[str, str] = field(default_factory=dict)
 
 
 def check_inputs(model: str | Path, prompts: list[list[int]]) -> None:
@@ -116,7 +119,8 @@ def check_inputs(model: str | Path, prompts: list[list[int]]) -> None:
 
 
 def run_engine(spec: EngineSpec, prompts: list[list[int]], timeout: float = 900,
-               forced: list[list[int] | None] | None = None) -> dict:
+               forced: list[list[int] | None] | None = None, salts: list[str | None] | None = None,
+               loras: list[str | None] | None = None) -> dict:
     """Start ``spec`` in a new process, run its phases over ``prompts`` (token ids) and
     return per-phase, per-prompt first-token times, outputs, cache hits, the time the
     model runner spent inside the connector, and connector stats.
@@ -124,14 +128,24 @@ def run_engine(spec: EngineSpec, prompts: list[list[int]], timeout: float = 900,
     ``forced[i]``, when given, makes prompt i a scoring request: the engine is made to
     emit exactly those tokens (teacher forcing) and reports each one's logprob under the
     raw model, computed on top of whatever KV the prompt's prefix got: vLLM's
-    ``prompt_logprobs`` cannot do this, it skips cached prefixes."""
+    ``prompt_logprobs`` cannot do this, it skips cached prefixes.
+
+    ``salts[i]`` is prompt i's ``cache_salt`` (vLLM's per-tenant prefix-cache isolation),
+    ``loras[i]`` the name of one of ``spec.lora_adapters`` to run prompt i with."""
     check_inputs(spec.model, prompts)
+    for name, values in (("salts", salts), ("loras", loras)):
+        if values is not None and len(values) != len(prompts):
+            raise ValueError(f"{name} needs one entry per prompt (None for none)")
+    unknown = {name for name in loras or () if name is not None} - set(spec.lora_adapters)
+    if unknown:
+        raise ValueError(f"loras names adapters {sorted(unknown)} that spec.lora_adapters does not have")
     if forced is not None and (len(forced) != len(prompts) or any(f is not None and not f for f in forced)):
         raise ValueError("forced needs one entry per prompt: a non-empty token list or None")
     if max(map(len, prompts)) + max(len(f or ()) for f in (forced or [None])) + spec.max_tokens > spec.max_model_len:
         raise ValueError(f"a prompt of {max(map(len, prompts))} tokens plus its output does not fit in "
                          f"max_model_len={spec.max_model_len}")
-    return run_child("kvlab.engine", {"spec": asdict(spec), "prompts": prompts, "forced": forced},
+    return run_child("kvlab.engine", {"spec": asdict(spec), "prompts": prompts, "forced": forced,
+                                      "salts": salts, "loras": loras},
                      f"engine {spec.connector} on {spec.model}", timeout)
 
 
@@ -252,6 +266,8 @@ def _child(job_path: str, out_path: str) -> None:
     job = json.loads(Path(job_path).read_text())
     spec = EngineSpec(**{**job["spec"], "stop": tuple(job["spec"]["stop"])})
     forced = job.get("forced") or [None] * len(job["prompts"])
+    salts = job.get("salts") or [None] * len(job["prompts"])
+    loras = [_lora_request(spec, name) for name in job.get("loras") or [None] * len(job["prompts"])]
     if "floor" in spec.phases and not spec.prefix_caching:
         raise ValueError("the floor phase needs prefix caching on")
     transfer = kv_transfer_config(spec.connector, spec.extra, spec.workdir)
@@ -262,7 +278,7 @@ def _child(job_path: str, out_path: str) -> None:
     clock = _ConnectorClock(transfer)
     llm = LLM(model=spec.model, dtype=spec.dtype, block_size=spec.block_size, enforce_eager=True,
               enable_prefix_caching=spec.prefix_caching, max_model_len=spec.max_model_len, seed=0,
-              max_num_batched_tokens=spec.max_num_batched_tokens,
+              max_num_batched_tokens=spec.max_num_batched_tokens, **_lora_options(spec),
               kv_transfer_config=KVTransferConfig(**transfer) if transfer else None,
               logits_processors=[_forced_tokens_processor()] if any(forced) else None)
 
@@ -283,8 +299,10 @@ def _child(job_path: str, out_path: str) -> None:
         if phase.startswith("warm") and spec.prefix_caching:
             llm.reset_prefix_cache()  # vLLM's own copy goes; the connector's store stays
         start = time.perf_counter()
-        outputs = llm.generate([{"prompt_token_ids": job["prompts"][i]} for i in indices],
-                               [params(forced[i]) for i in indices], use_tqdm=False)
+        requests = [{"prompt_token_ids": job["prompts"][i], **({"cache_salt": salts[i]} if salts[i] else {})}
+                    for i in indices]
+        outputs = llm.generate(requests, [params(forced[i]) for i in indices], use_tqdm=False,
+                               lora_request=[loras[i] for i in indices] if spec.lora_adapters else None)
         seconds = time.perf_counter() - start
         spent = clock.read()
         for index, output in zip(indices, outputs):
@@ -300,6 +318,22 @@ def _child(job_path: str, out_path: str) -> None:
 
         result["connector"] = all_stats()
     Path(out_path).write_text(json.dumps(result))
+
+
+def _lora_options(spec: EngineSpec) -> dict[str, Any]:
+    """LLM(...) options for the spec's adapters: LoRA on, rank large enough for each."""
+    if not spec.lora_adapters:
+        return {}
+    ranks = [json.loads((Path(path) / "adapter_config.json").read_text())["r"] for path in spec.lora_adapters.values()]
+    return {"enable_lora": True, "max_lora_rank": max(8, *ranks), "max_loras": len(ranks)}
+
+
+def _lora_request(spec: EngineSpec, name: str | None) -> Any:
+    if name is None:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(name, list(spec.lora_adapters).index(name) + 1, spec.lora_adapters[name])
 
 
 def summarize(name: str, result: dict, phase: str, **labels: Any) -> dict:

@@ -181,7 +181,11 @@ class ModelGeometry:
                 raise ValueError(f"malformed config.json {path}: {exc}") from exc
             if not isinstance(config, dict):
                 raise ValueError(f"malformed config.json {path}: expected a JSON object")
-        config = config.get("text_config", config)
+        text_config = config.get("text_config")  # a multimodal model's language model; null means none
+        if text_config is not None:
+            if not isinstance(text_config, dict):
+                raise ValueError(f"{source}: text_config must be a JSON object, got {text_config!r}")
+            config = text_config
 
         def need(key: str) -> int:
             if key not in config:
@@ -199,6 +203,11 @@ class ModelGeometry:
                            dtype=dtype, block_size=block_size)
         heads = need("num_attention_heads")
         kv_heads = need("num_key_value_heads") if "num_key_value_heads" in config else heads
+        if kv_heads > heads:
+            raise ValueError(
+                f"{source}: num_key_value_heads ({kv_heads}) exceeds num_attention_heads ({heads}); "
+                f"each KV head serves one or more query heads"
+            )
         head_size = config.get("head_dim") or need("hidden_size") // heads
         return cls(name, num_layers, kv_heads, head_size, dtype=dtype, block_size=block_size)
 

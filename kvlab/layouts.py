@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from kvlab.devices import can_pin_memory, resolve_device
+from kvlab.devices import can_pin_memory, check_fits, resolve_device
 from kvlab.geometry import ModelGeometry
 
 AXES = "LBSNHD"
@@ -389,12 +389,23 @@ def axis_sizes(layout: Layout, geometry: ModelGeometry, num_blocks: int, part: i
             "H": geometry.num_kv_heads, "D": dim}
 
 
+def check_num_blocks(geometry: ModelGeometry, num_blocks: int) -> None:
+    """Refuse a block count that is not a positive integer, or that makes a cache larger
+    than the int64 byte offsets every copy plan and segment computes with."""
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
+        raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+    if num_blocks * geometry.block_bytes >= 2**63:
+        raise ValueError(
+            f"{num_blocks:,} blocks of {geometry.block_bytes:,} bytes make a cache of "
+            f"{num_blocks * geometry.block_bytes:,} bytes, beyond 64-bit byte offsets (2**63)"
+        )
+
+
 def allocations(layout: str | Layout, geometry: ModelGeometry, num_blocks: int) -> list[Allocation]:
     """The backing tensors of a layout, in the order their addresses are laid out."""
     layout = get_layout(layout)
     check_compatible(layout, geometry)
-    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
-        raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+    check_num_blocks(geometry, num_blocks)
     kept = "".join(a for a in layout.order if a not in layout.split)
     split_axes = [a for a in layout.order if a in layout.split]
     sizes = axis_sizes(layout, geometry, num_blocks)
@@ -481,6 +492,8 @@ def allocate(
     if pin_memory and (device.type != "cpu" or not can_pin_memory()):
         raise ValueError(f"pin_memory needs a host (cpu) allocation on a machine with cuda or npu, not {device}")
     allocs = allocations(layout, geometry, num_blocks)
+    check_fits(num_blocks * geometry.block_bytes, device,
+               f"a {layout.name} cache of {num_blocks:,} blocks of {geometry.name}")
     make = torch.zeros if fill == "zeros" else torch.empty
     storage = [make(a.sizes, dtype=geometry.dtype, device=device, pin_memory=pin_memory) for a in allocs]
     if fill == "arange":

@@ -93,6 +93,18 @@ def vllm_model_args(model: str | Path, connector: str = "none", *, dtype: str = 
     return args
 
 
+def check_run(model: str | Path, *, limit: int, num_fewshot: int, max_gen_toks: int) -> None:
+    """Refuse what lm-eval would only fail at after an engine started, or quietly read
+    otherwise (a limit below 1 is a fraction of the problems to it)."""
+    if not (Path(model) / "config.json").is_file():
+        raise FileNotFoundError(
+            f"no model folder at {model}: no config.json there (kvlab.models.model_path gives the prepared ones)"
+        )
+    for name, value, least in (("limit", limit, 1), ("num_fewshot", num_fewshot, 0), ("max_gen_toks", max_gen_toks, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+
+
 def run_lmeval(model: str | Path, task_dir: str | Path, connector: str = "none", *, limit: int = 8,
                num_fewshot: int = 5, seed: int = 0, dtype: str = "auto", max_gen_toks: int = 200,
                max_model_len: int = 4096, batch_size: int | str = 1, task: str = TASK,
@@ -102,8 +114,7 @@ def run_lmeval(model: str | Path, task_dir: str | Path, connector: str = "none",
     texts, the connector's stats (kvlab) and wall times. ``batch_size=1`` sends one problem
     at a time, so every problem after the first can find the shared prefix in the store
     (problems prefilled in the same step cannot serve each other)."""
-    if not (Path(model) / "config.json").exists():
-        raise FileNotFoundError(f"no model folder at {model} (kvlab.models.model_path gives the prepared ones)")
+    check_run(model, limit=limit, num_fewshot=num_fewshot, max_gen_toks=max_gen_toks)
     job = {"model_args": vllm_model_args(model, connector, dtype=dtype, seed=seed, max_model_len=max_model_len,
                                          max_gen_toks=max_gen_toks, extra=extra),
            "task": task, "task_dir": str(Path(task_dir).resolve()), "limit": limit,

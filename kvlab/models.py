@@ -64,8 +64,12 @@ TINY_LLAMA_SEED = 0
 
 
 def resolve_models_dir(models_dir: str | Path | None = None) -> Path:
-    """Where the folders go: the argument, else ``$KVLAB_MODELS_DIR``, else ``data/models/``."""
-    return Path(models_dir or os.environ.get("KVLAB_MODELS_DIR") or MODELS_DIR)
+    """Where the folders go: the argument, else ``$KVLAB_MODELS_DIR``, else ``data/models/``;
+    a file there is refused (every folder in it would look missing, and none can be built)."""
+    root = Path(models_dir or os.environ.get("KVLAB_MODELS_DIR") or MODELS_DIR)
+    if root.exists() and not root.is_dir():
+        raise NotADirectoryError(f"the models folder {root} is a file, not a folder")
+    return root
 
 
 def _model_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -201,12 +205,13 @@ def prepare_all(models_dir: str | Path | None = None, only: str | None = None) -
     """Every folder in both dtypes (``only``: "smollm2" or "tiny"); what ``make env`` runs."""
     if only not in (None, "smollm2", "tiny"):
         raise ValueError(f"only takes 'smollm2' or 'tiny', not {only!r}")
+    root = resolve_models_dir(models_dir)  # checked before the GGUF file is hashed
     paths = []
     for dtype in _SUFFIXES:
         if only in (None, "smollm2"):
-            paths.append(prepare_smollm2(dtype, models_dir))
+            paths.append(prepare_smollm2(dtype, root))
         if only in (None, "tiny"):
-            paths.append(tiny_llama(models_dir, dtype=dtype))
+            paths.append(tiny_llama(root, dtype=dtype))
     return sorted(paths)
 
 

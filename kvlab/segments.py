@@ -17,7 +17,12 @@ from typing import Any, Sequence
 import torch
 
 from kvlab.geometry import ModelGeometry
-from kvlab.layouts import Layout, allocations, get_layout
+from kvlab.layouts import Layout, allocations, axis_sizes, check_num_blocks, get_layout
+
+# The arithmetic lists every run before merging and builds block tables in Python: these
+# bounds keep one call within seconds (on a 2-core CPU about 7 s at either bound).
+MAX_RUNS = 1 << 24
+MAX_TABLE_BLOCKS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -118,42 +123,66 @@ def span_segments(
         )
     # Whole blocks are selected by the block axis alone (far fewer runs to enumerate);
     # partial blocks need the token axis too.
-    whole = all(s == 0 and e == geometry.block_size for _, s, e in spans)
+    whole = [b for b, s, e in spans if (s, e) == (0, geometry.block_size)]
+    partial = [(b, s, e) for b, s, e in spans if (s, e) != (0, geometry.block_size)]
+    _check_runs(layout, geometry, len(whole), sum(e - s for _, s, e in partial))
+    picks = []
     if whole:
-        blocks = torch.tensor([b for b, _, _ in spans], dtype=torch.int64)
-        tokens = torch.zeros_like(blocks)
-    else:
-        blocks = torch.cat([torch.full((e - s,), b, dtype=torch.int64) for b, s, e in spans])
-        tokens = torch.cat([torch.arange(s, e, dtype=torch.int64) for _, s, e in spans])
-    selected = "B" if whole else "BN"
+        picks.append(("B", torch.tensor(whole, dtype=torch.int64), torch.zeros(len(whole), dtype=torch.int64)))
+    if partial:
+        picks.append(("BN", torch.cat([torch.full((e - s,), b, dtype=torch.int64) for b, s, e in partial]),
+                      torch.cat([torch.arange(s, e, dtype=torch.int64) for _, s, e in partial])))
     itemsize = geometry.itemsize
     tensors, starts, lengths = [], [], []
     for index, alloc in enumerate(allocations(layout, geometry, num_blocks)):
         axes, strides = alloc.axes, alloc.strides
-        inner = max(axes.index(a) for a in selected)
-        run = prod(alloc.sizes[inner + 1:]) * itemsize
-        offsets = torch.zeros(1, dtype=torch.int64)
-        for axis, size, stride in zip(axes[: inner + 1], alloc.sizes, strides):
-            if axis not in selected:
-                offsets = (offsets[:, None] + torch.arange(size) * stride).flatten()
-        picked = blocks * strides[axes.index("B")] + tokens * strides[axes.index("N")]
-        run_starts = ((offsets[:, None] + picked[None, :]).flatten() * itemsize).sort().values
-        seg_start, seg_len = _merge(run_starts, run)
+        run_starts, run_lengths = [torch.zeros(0, dtype=torch.int64)], [torch.zeros(0, dtype=torch.int64)]
+        for selected, blocks, tokens in picks:
+            inner = max(axes.index(a) for a in selected)
+            offsets = torch.zeros(1, dtype=torch.int64)
+            for axis, size, stride in zip(axes[: inner + 1], alloc.sizes, strides):
+                if axis not in selected:
+                    offsets = (offsets[:, None] + torch.arange(size) * stride).flatten()
+            picked = blocks * strides[axes.index("B")] + tokens * strides[axes.index("N")]
+            run_starts.append((offsets[:, None] + picked[None, :]).flatten() * itemsize)
+            run_lengths.append(torch.full_like(run_starts[-1], prod(alloc.sizes[inner + 1:]) * itemsize))
+        run_starts, order = torch.cat(run_starts).sort()
+        seg_start, seg_len = _merge(run_starts, torch.cat(run_lengths)[order])
         tensors.append(torch.full_like(seg_start, index))
         starts.append(seg_start)
         lengths.append(seg_len)
     return Segments(torch.cat(tensors), torch.cat(starts), torch.cat(lengths))
 
 
-def _merge(sorted_starts: torch.Tensor, run: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge equal-length runs at sorted offsets where one ends where the next begins."""
+def _check_runs(layout: Layout, geometry: ModelGeometry, whole_blocks: int, partial_tokens: int) -> None:
+    """Refuse what would list more than MAX_RUNS runs: per backing tensor, one for each
+    whole block and each token of a partial block times every combination of the axes
+    outside them; counted without listing the tensors (a layer count can be absurd)."""
+    sizes = axis_sizes(layout, geometry, 1)
+    kept = [a for a in layout.order if a not in layout.split]
+
+    def outside(axis: str) -> int:
+        return prod(sizes[a] for a in kept[:kept.index(axis)] if a != "B")
+
+    runs = prod(sizes[a] for a in layout.split) * (outside("B") * whole_blocks + outside("N") * partial_tokens)
+    if runs > MAX_RUNS:
+        raise ValueError(
+            f"{layout.name} cuts {whole_blocks:,} whole blocks and {partial_tokens:,} more tokens of {geometry.name} "
+            f"({geometry.num_layers:,} layers, {geometry.num_kv_heads:,} kv heads) into {runs:,} runs before merging, "
+            f"more than the segment arithmetic lists ({MAX_RUNS:,}): ask for fewer tokens"
+        )
+
+
+def _merge(sorted_starts: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge runs at sorted offsets where one ends where the next begins."""
     if sorted_starts.numel() == 0:
         return sorted_starts, sorted_starts
+    ends = sorted_starts + lengths
     new = torch.ones_like(sorted_starts, dtype=torch.bool)
-    new[1:] = sorted_starts[1:] != sorted_starts[:-1] + run
+    new[1:] = sorted_starts[1:] != ends[:-1]
     first = new.nonzero().flatten()
     last = torch.cat([first[1:] - 1, torch.tensor([sorted_starts.numel() - 1])])
-    return sorted_starts[first], sorted_starts[last] + run - sorted_starts[first]
+    return sorted_starts[first], ends[last] - sorted_starts[first]
 
 
 def block_segments(layout: str | Layout, geometry: ModelGeometry, num_blocks: int, block_ids: Sequence[int]) -> Segments:
@@ -192,11 +221,20 @@ def transfer_cost(
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
         raise ValueError(f"tokens must be a positive integer, got {tokens!r}")
     needed = -(-tokens // geometry.block_size)
-    if num_blocks is None:
-        num_blocks = max(4 * needed, 64)
-    elif isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
-        raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+    if needed > MAX_TABLE_BLOCKS:
+        raise ValueError(
+            f"{tokens:,} tokens need {needed:,} blocks of {geometry.block_size}: the block table is bounded at "
+            f"{MAX_TABLE_BLOCKS:,} blocks ({MAX_TABLE_BLOCKS * geometry.block_size:,} tokens at this block size)"
+        )
+    _check_runs(layout, geometry, tokens // geometry.block_size, tokens % geometry.block_size)
+    num_blocks = max(4 * needed, 64) if num_blocks is None else num_blocks
+    check_num_blocks(geometry, num_blocks)
     if layout.is_chunk_format:
+        if not isinstance(block_ids, str):
+            raise ValueError(
+                f"block ids apply to paged layouts only: {layout.name} is an LMCache chunk, which holds its "
+                f"tokens in order, with no block table"
+            )
         # A stored chunk holds exactly these tokens, in order.
         block_ids, num_blocks = "chunk", needed
         table = contiguous_block_ids(needed)

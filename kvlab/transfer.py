@@ -187,6 +187,37 @@ def _same_kv(a: ModelGeometry, b: ModelGeometry) -> bool:
     return replace(a, name="") == replace(b, name="")
 
 
+def _shared_memory(a: KVCache, b: KVCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Pairs of backing tensors, one of ``a`` and one of ``b``, in one allocation (the same
+    cache, or caches cut from one buffer): there a copy may read what it writes."""
+    if _device_of(a) != _device_of(b) or _device_of(a).type == "meta":
+        return []
+
+    spans = sorted(((m.data_ptr(), m.data_ptr() + m.nbytes(), side, x)
+                    for side, cache in enumerate((a, b)) for x in cache.storage for m in [x.untyped_storage()]),
+                   key=lambda span: span[0])
+    pairs, open_spans = [], []
+    for start, end, side, x in spans:  # a sweep by address: O(n log n) for caches of many tensors
+        open_spans = [span for span in open_spans if span[1] > start]
+        pairs += [(x, y) if side == 0 else (y, x) for _, _, other, y in open_spans if other != side]
+        open_spans.append((start, end, side, x))
+    return pairs
+
+
+def _reads_what_it_writes(t: Transfer) -> bool:
+    """Whether a byte the transfer reads is also one it writes: then every method's result
+    depends on its copy order (and some fail outright)."""
+    src_at, dst_at = t.plan.addresses(t.src.storage, t.dst.storage)
+    if not src_at.numel():
+        return False
+    dst_at, order = torch.sort(dst_at)
+    dst_end = dst_at + t.plan.length[order]
+    # destination runs never overlap each other, so of those starting before a source run
+    # ends, the last one reaches furthest: the source run overlaps one iff it overlaps that one
+    last = torch.searchsorted(dst_at, src_at + t.plan.length) - 1
+    return bool(((last >= 0) & (dst_end[last.clamp(min=0)] > src_at)).any())
+
+
 @functools.cache
 def copy_stream(device: torch.device):
     """The dedicated copy stream of an accelerator (one per device, made on first use)."""
@@ -315,6 +346,13 @@ class Transfer:
             bad = [i for i in self.layers if not 0 <= i < src.geometry.num_layers]
             if bad:
                 raise ValueError(f"layers {bad} out of range 0..{src.geometry.num_layers - 1}")
+        self.one_memory = bool(_shared_memory(src, dst))
+        if self.one_memory and _reads_what_it_writes(self):
+            raise ValueError(
+                f"source and destination blocks overlap in the same memory: moving blocks {self.src_blocks[:8]} "
+                f"to {self.dst_blocks[:8]} would overwrite bytes it has still to read, so the result would depend "
+                f"on the copy order; copy through a separate buffer, or to blocks the source does not use"
+            )
         host = [c for c in (src, dst) if _device_of(c).type == "cpu"]
         if not self.blocking and self.device.type != "cpu" and host and not host[0].storage[0].is_pinned():
             raise ValueError(
@@ -395,6 +433,8 @@ def method_status(method: str, src: KVCache, dst: KVCache) -> str | None:
             return "torch.compile's generated kernels are not set up for Ascend NPUs here"
         if accelerator == "cpu" and not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")):
             return "torch.compile needs a C++ compiler for CPU kernels (none on PATH)"
+        if any((x.data_ptr(), x.nbytes) != (y.data_ptr(), y.nbytes) for x, y in _shared_memory(src, dst)):
+            return "torch.compile cannot copy between different tensors cut from one allocation"
         return None
     if method == "triton":
         if accelerator == "cuda" or (accelerator == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
@@ -517,8 +557,10 @@ def _gather(t: Transfer) -> None:
         device = _device_of(src)
         sb = torch.as_tensor(t.src_blocks, dtype=torch.int64, device=device)
         db = torch.as_tensor(t.dst_blocks, dtype=torch.int64, device=device)
-        packed = len(t.dst_blocks) and t.dst_blocks == list(range(t.dst_blocks[0], t.dst_blocks[0] + len(t.dst_blocks)))
-        loaded = len(t.src_blocks) and t.src_blocks == list(range(t.src_blocks[0], t.src_blocks[0] + len(t.src_blocks)))
+        # the packed fast paths hand torch a source and a destination view of one tensor when
+        # blocks move inside one memory, which it refuses: there the index_select makes a copy
+        packed = not t.one_memory and t.dst_blocks == list(range(t.dst_blocks[0], t.dst_blocks[0] + len(t.dst_blocks)))
+        loaded = not t.one_memory and t.src_blocks == list(range(t.src_blocks[0], t.src_blocks[0] + len(t.src_blocks)))
         jobs = []
         # views are cut once per pair of storages (the views keep them alive, so an
         # address cannot be reused by a new storage while it is a key)
@@ -577,8 +619,14 @@ def _compiled(t: Transfer) -> None:
         unit = math.gcd(t.plan.unit, *(x.numel() * x.element_size() for x in src.storage + dst.storage))
         width = _widest_width([unit])
 
+        views: dict[tuple[int, int], torch.Tensor] = {}
+
         def as_rows(x: torch.Tensor) -> torch.Tensor:
-            return x.view(-1).view(torch.uint8).view(_INT_VIEW[width]).view(-1, unit // width)
+            # one view per memory: torch.compile refuses two views of one tensor as inputs
+            key = (x.data_ptr(), x.numel() * x.element_size())
+            if key not in views:
+                views[key] = x.view(-1).view(torch.uint8).view(_INT_VIEW[width]).view(-1, unit // width)
+            return views[key]
 
         copy = _compiled_row_copy()
         device = _device_of(src)

@@ -27,10 +27,11 @@ from kvlab.layouts import allocate, layer_name
 from kvlab.vllm_views import vllm_layer_views
 
 
-def stand_in_config(geometry: ModelGeometry, extra: dict | None = None) -> SimpleNamespace:
-    """The parts of a VllmConfig the connector reads, around a real KVTransferConfig."""
+def stand_in_config(geometry: ModelGeometry, extra: dict | None = None, model: str | None = None) -> SimpleNamespace:
+    """The parts of a VllmConfig the connector reads, around a real KVTransferConfig;
+    ``model`` is the model's folder (default: a name that is no folder)."""
     model = SimpleNamespace(
-        model=f"/models/{geometry.name}", dtype=geometry.dtype, use_mla=geometry.is_mla,
+        model=model or f"/models/{geometry.name}", dtype=geometry.dtype, use_mla=geometry.is_mla,
         get_num_kv_heads=lambda parallel: geometry.num_kv_heads, get_head_size=lambda: geometry.head_size,
         hf_text_config=SimpleNamespace(kv_lora_rank=geometry.kv_lora_rank, qk_rope_head_dim=geometry.qk_rope_head_dim),
     )
@@ -40,9 +41,10 @@ def stand_in_config(geometry: ModelGeometry, extra: dict | None = None) -> Simpl
                            cache_config=SimpleNamespace(block_size=geometry.block_size, cache_dtype="auto"))
 
 
-def connector_pair(geometry: ModelGeometry, num_blocks: int, extra: dict | None = None) -> tuple[KVLabConnector, KVLabConnector]:
+def connector_pair(geometry: ModelGeometry, num_blocks: int, extra: dict | None = None,
+                   model: str | None = None) -> tuple[KVLabConnector, KVLabConnector]:
     """A scheduler-side and a worker-side connector of one engine (they share a store)."""
-    config = stand_in_config(geometry, extra)
+    config = stand_in_config(geometry, extra, model)
     kv_config = SimpleNamespace(num_blocks=num_blocks, kv_cache_tensors=[
         SimpleNamespace(shared_by=[layer_name(i)]) for i in range(geometry.num_layers)])
     return (KVLabConnector(config, KVConnectorRole.SCHEDULER, kv_config),
@@ -105,13 +107,22 @@ def schedule(req_id: str, prompt: list[int], block_ids: list[int], computed: int
                            free_encoder_mm_hashes=[])
 
 
+def vllm_request(req_id: str, prompt: list[int], **fields: Any) -> SimpleNamespace:
+    """What the scheduler side reads of a vLLM Request; ``fields`` set ``cache_salt``,
+    ``lora_request`` or ``mm_features``."""
+    defaults = {"lora_request": None, "cache_salt": None, "mm_features": [], "prompt_embeds": None}
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=prompt, **{**defaults, **fields})
+
+
 def prefill(scheduler: KVLabConnector, worker: KVLabConnector, req_id: str, prompt: list[int],
-            block_ids: list[int], layerwise: bool = False, ascend_hooks: bool = False) -> dict[str, Any]:
+            block_ids: list[int], layerwise: bool = False, ascend_hooks: bool = False,
+            **request_fields: Any) -> dict[str, Any]:
     """One prefill step of one request through both sides, in vLLM's call order (lookup,
     allocation, metadata, load, per-layer hooks, save). With ``ascend_hooks`` the per-layer
     calls go through kvlab.hooks with one metadata object for every layer, as vllm-ascend's
-    attention makes them. Returns hits and times."""
-    request = SimpleNamespace(request_id=req_id, prompt_token_ids=prompt)
+    attention makes them. ``request_fields`` set a vLLM Request's other fields
+    (``cache_salt``, ``lora_request``, ``mm_features``). Returns hits and times."""
+    request = vllm_request(req_id, prompt, **request_fields)
     hit, _ = scheduler.get_num_new_matched_tokens(request, 0)
     scheduler.update_state_after_alloc(request, None, hit)
     meta = scheduler.build_connector_meta(schedule(req_id, prompt, block_ids, hit))

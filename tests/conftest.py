@@ -1,6 +1,8 @@
-"""Shared fixtures: the trained model the engine tests run and prompts cut from the book
-reasoning-gym ships; ``running`` (imported by the server tests) for processes left behind."""
+"""Shared fixtures: the trained model the engine tests run, prompts cut from the book
+reasoning-gym ships, a LoRA adapter for it; ``running`` (imported by the server tests) for
+processes left behind."""
 
+import json
 import os
 from pathlib import Path
 
@@ -31,6 +33,32 @@ def prompts(smollm2: str) -> list[list[int]]:
 
     ids = AutoTokenizer.from_pretrained(smollm2)(book_text())["input_ids"]
     return [ids[1000:1300], ids[5000:5250]]
+
+
+@pytest.fixture(scope="session")
+def lora_adapter(smollm2: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A seeded random rank-8 LoRA adapter on SmolLM2's k_proj and v_proj (PEFT's file
+    layout, which vLLM loads): it changes every layer's KV, so KV computed without it is
+    wrong for its requests."""
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((Path(smollm2) / "config.json").read_text())
+    hidden, rank = config["hidden_size"], 8
+    kv_width = config["num_key_value_heads"] * (config.get("head_dim") or hidden // config["num_attention_heads"])
+    generator = torch.Generator().manual_seed(0)
+    weights = {}
+    for layer in range(config["num_hidden_layers"]):
+        for proj in ("k_proj", "v_proj"):
+            name = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            weights[f"{name}.lora_A.weight"] = 0.05 * torch.randn(rank, hidden, generator=generator)
+            weights[f"{name}.lora_B.weight"] = 0.05 * torch.randn(kv_width, rank, generator=generator)
+    folder = tmp_path_factory.mktemp("lora")
+    save_file(weights, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 16, "lora_dropout": 0.0,
+        "target_modules": ["k_proj", "v_proj"], "bias": "none", "base_model_name_or_path": smollm2}))
+    return str(folder)
 
 
 def running(pids: list[int]) -> list[int]:

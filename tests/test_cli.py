@@ -1,10 +1,16 @@
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from kvlab import bench, lmeval
 from kvlab.cli import main
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+SMALL_CONFIG = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 256}
 
 
 def run(capsys, *argv):
@@ -58,11 +64,115 @@ def test_model_folder(capsys, tmp_path):
         (["--tokens", "0"], "tokens must be a positive integer"),
         (["--block-size", "0"], "block_size must be a positive integer"),
         (["--num-blocks", "0"], "num_blocks must be a positive integer"),
+        (["--num-blocks", "999999999999999999999"], "beyond 64-bit byte offsets"),
+        (["--tokens", "99999999999"], "the block table is bounded at 1,048,576 blocks (16,777,216 tokens"),
+        (["--tokens", "100000000"], "the block table is bounded at 1,048,576 blocks"),
+        (["--tokens", "8388624"], "into 16,777,248 runs before merging, more than the segment arithmetic lists"),
+        (["--layout", "KV_2LTD", "--tokens", "48", "--block-ids", "3,7,9"], "block ids apply to paged layouts only"),
+        (["--layout", "KV_T2D", "--tokens", "48", "--block-ids", "3,7,9"], "KV_T2D is an LMCache chunk"),
+        (["--layout", "KV_MLA_FMT", "--model", "deepseek-v2-lite", "--tokens", "48", "--block-ids", "3,7,9"],
+         "KV_MLA_FMT is an LMCache chunk"),
     ],
 )
 def test_bad_input(capsys, argv, message):
     code, _, err = run(capsys, "layout", *argv)
     assert code == 2 and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"text_config": None}, "lacks 'num_hidden_layers'"),
+        ({**SMALL_CONFIG, "num_hidden_layers": 10**9}, "into 16,000,000,000 runs before merging"),
+        ({**SMALL_CONFIG, "num_key_value_heads": 8}, "num_key_value_heads (8) exceeds num_attention_heads (4)"),
+    ],
+    ids=["null text_config", "a billion layers", "more kv heads than heads"],
+)
+def test_bad_model_folder(capsys, tmp_path, config, message):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code, _, err = run(capsys, "layout", "--model", str(tmp_path))
+    assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_readme_block_ids_example(capsys):
+    """The README's example of a block table given as ids runs as it says."""
+    example = re.search(r"`(--tokens \d+ --block-ids [\d,]+)` at block size (\d+)", README.read_text())
+    code, out, _ = run(capsys, "layout", "--layout", "BLHNC", *example[1].split(), "--block-size", example[2], "--json")
+    report = json.loads(out)
+    assert code == 0 and report["block_ids"] == "given" and report["blocks"] == report["segments"] == 3
+
+
+def forbid(monkeypatch, module, *names: str) -> None:
+    """Fail the test if any of ``module``'s ``names`` is called: the work started."""
+    def started(*args, **kwargs):
+        raise AssertionError(f"{module.__name__} started its work before refusing the input")
+
+    for name in names:
+        monkeypatch.setattr(module, name, started)
+
+
+@pytest.fixture
+def no_measuring(monkeypatch):
+    forbid(monkeypatch, bench, "measure", "pipeline_timing")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "--quick", "--out", "/dev/full"], "cannot write results to /dev/full: No space left on device"),
+        (["layerwise", "--out", "/dev/full"], "cannot write results to /dev/full: No space left on device"),
+        (["bench", "--no-save", "--model", "smollm2-135m", "--tokens", "100000000"], "GiB of memory this machine's"),
+        (["layerwise", "--no-save", "--tokens", "100000000"], "GiB of memory this machine's"),
+        (["bench", "--no-save", "--model", "smollm2-135m", "--layouts", "mla_v0.12"],
+         "layout mla_v0.12 is for MLA caches, but HuggingFaceTB/SmolLM2-135M-Instruct has separate K and V"),
+        (["bench", "--no-save", "--model", "deepseek-v2-lite", "--layouts", "LBHNC,flash_attn_v0.12"],
+         "layout flash_attn_v0.12 keeps K and V apart, but deepseek-ai/DeepSeek-V2-Lite-Chat is MLA"),
+        *[(["layerwise", "--no-save", "--intensities", f"1,{bad}"], "intensities must be finite compute/load ratios > 0")
+          for bad in ("inf", "nan", "-1", "0")],
+    ],
+)
+def test_bench_refuses_before_measuring(capsys, no_measuring, argv, message):
+    if "/dev/full" in argv and not Path("/dev/full").exists():
+        pytest.skip("no /dev/full here")
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_results_file_in_a_file(capsys, no_measuring, tmp_path):
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "results.jsonl"
+    code, _, err = run(capsys, "bench", "--model", "smollm2-135m", "--tokens", "32", "--out", str(out))
+    assert code == 2 and f"kvlab: error: cannot write results to {out}" in err
+
+
+@pytest.fixture
+def no_engine(monkeypatch):
+    forbid(monkeypatch, lmeval, "write_task", "run_child")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ([], "no model folder at {model}: no config.json there"),
+        (["--limit", "0"], "limit must be an integer >= 1, got 0"),
+        (["--max-gen-toks", "0"], "max_gen_toks must be an integer >= 1, got 0"),
+        (["--num-fewshot", "-1"], "num_fewshot must be an integer >= 0, got -1"),
+    ],
+)
+def test_lmeval_refuses_before_any_engine(capsys, no_engine, tmp_path, argv, message):
+    model = tmp_path / "model"
+    model.mkdir()
+    if argv:  # a model folder, so that the option is what is refused
+        (model / "config.json").write_text(json.dumps(SMALL_CONFIG))
+    code, _, err = run(capsys, "lmeval", "--model", str(model), *argv)
+    assert code == 2 and f"kvlab: error: {message.format(model=model)}" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("action", ["prepare", "list"])
+def test_models_dir_that_is_a_file(capsys, tmp_path, action):
+    (tmp_path / "file").write_text("")
+    code, _, err = run(capsys, "models", action, "--models-dir", str(tmp_path / "file"))
+    assert code == 2 and f"kvlab: error: the models folder {tmp_path / 'file'} is a file, not a folder" in err
 
 
 def test_module_entry_point():

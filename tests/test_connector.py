@@ -17,7 +17,7 @@ pytest.importorskip("vllm")
 from kvlab.connector import ConnectorConfig, KVLabConnector, reset_stores  # noqa: E402
 from kvlab.geometry import ModelGeometry  # noqa: E402
 from kvlab.layouts import allocate, layer_name  # noqa: E402
-from kvlab.vllm_driver import connector_pair, prefill, register, stand_in_config  # noqa: E402
+from kvlab.vllm_driver import connector_pair, prefill, register, stand_in_config, vllm_request  # noqa: E402
 
 NUM_BLOCKS = 24
 GQA = ModelGeometry("tiny-gqa", 4, 2, 64, torch.float32, 16)
@@ -171,7 +171,7 @@ def test_corrupt_chunk_is_recomputed_not_loaded() -> None:
     register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
     prompt = list(range(4 * BS + 1))
     run_step(scheduler, worker, "a", prompt, [0, 1, 2, 3, 4], False)
-    chunk = next(iter(worker.store._chunks.values()))
+    chunk = worker.store.memory_chunks()[0]
     chunk.buffer.storage[0].view(-1)[123] += 1  # one flipped value in host memory
     request = SimpleNamespace(request_id="b", prompt_token_ids=prompt)
     assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
@@ -186,8 +186,8 @@ def test_full_store_evicts_and_never_fails() -> None:
     run_step(scheduler, worker, "a", prompt, list(range(9)), False)
     assert len(worker.store) == 2 and worker.store.stats.evicted == 2
     assert worker.store.bytes <= 2 * one_chunk
-    # the prefix chunks were evicted first: nothing leads, so nothing is a hit
-    assert run_step(scheduler, worker, "b", prompt, list(range(9, 18)), False) == 0
+    # saved tail first, so the tail went and the head stayed: the first two chunks are a hit
+    assert run_step(scheduler, worker, "b", prompt, list(range(9, 18)), False) == 2 * 2 * BS
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -230,3 +230,112 @@ def test_unrecognised_cache_is_a_clear_error() -> None:
     _, worker = connectors(GQA)
     with pytest.raises(ValueError, match="no kvlab layout"):
         worker.register_kv_caches({layer_name(i): torch.zeros(NUM_BLOCKS, 7, 3) for i in range(GQA.num_layers)})
+
+
+# ---- faults, tenants, adapters, stale weights (issue 11) --------------------------------------
+def lookup(scheduler: KVLabConnector, prompt: list[int], **fields) -> int:
+    return scheduler.get_num_new_matched_tokens(vllm_request("lookup", prompt, **fields), 0)[0]
+
+
+def test_cache_salt_keeps_tenants_apart() -> None:
+    """vLLM's own prefix cache gives salts a, b, none, a: [0, 0, 0, all]; so must the connector."""
+    scheduler, worker = connectors(GQA)
+    register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
+    prompt = list(range(4 * BS + 1))
+    hits = []
+    for i, salt in enumerate(["a", "b", None, "a"]):
+        hits.append(prefill(scheduler, worker, f"r{i}", prompt, list(range(5 * i, 5 * i + 5)), cache_salt=salt)["hit_tokens"])
+    assert hits == [0, 0, 0, 4 * BS]
+
+
+def test_lora_requests_never_get_base_or_other_adapters_kv(tmp_path) -> None:
+    from vllm.lora.request import LoRARequest
+
+    (tmp_path / "x").mkdir(), (tmp_path / "y").mkdir()
+    scheduler, worker = connectors(GQA)
+    register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
+    prompt = list(range(4 * BS + 1))
+    x, y = LoRARequest("x", 1, str(tmp_path / "x")), LoRARequest("y", 2, str(tmp_path / "y"))
+    run_step(scheduler, worker, "base", prompt, [0, 1, 2, 3, 4], False)
+    assert lookup(scheduler, prompt, lora_request=x) == 0
+    prefill(scheduler, worker, "x", prompt, [5, 6, 7, 8, 9], lora_request=x)
+    assert lookup(scheduler, prompt, lora_request=x) == 4 * BS
+    assert lookup(scheduler, prompt, lora_request=y) == 0
+    assert lookup(scheduler, prompt, lora_request=LoRARequest("x", 3, str(tmp_path / "x"))) == 0  # another id
+    (tmp_path / "x" / "adapter_model.safetensors").write_bytes(b"new weights")
+    from kvlab import connector as module
+
+    module._adapter_key.cache_clear()  # a new process: the adapter's files changed at the same path
+    assert lookup(scheduler, prompt, lora_request=x) == 0
+
+
+def test_new_weights_at_the_same_path_are_misses_not_stale_kv(tmp_path) -> None:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(bytes(4096))
+    extra = {"store": "disk", "disk_path": str(tmp_path / "kv")}
+    scheduler, worker = connector_pair(GQA, NUM_BLOCKS, extra, model=str(folder))
+    register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
+    prompt = list(range(4 * BS + 1))
+    run_step(scheduler, worker, "a", prompt, [0, 1, 2, 3, 4], False)
+    reset_stores()  # a new process on the same disk store
+    assert lookup(connector_pair(GQA, NUM_BLOCKS, extra, model=str(folder))[0], prompt) == 4 * BS
+    reset_stores()
+    (folder / "model.safetensors").write_bytes(b"\x01" + bytes(4095))  # fine-tuned in place
+    assert lookup(connector_pair(GQA, NUM_BLOCKS, extra, model=str(folder))[0], prompt) == 0
+
+
+def test_every_damaged_chunk_of_a_prompt_is_saved_again(tmp_path) -> None:
+    extra = {"store": "disk", "disk_path": str(tmp_path / "kv"), "chunk_size": BS}
+    scheduler, worker = connectors(GQA, extra)
+    register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
+    prompt = list(range(4 * BS + 1))
+    run_step(scheduler, worker, "a", prompt, [0, 1, 2, 3, 4], False)
+    files = sorted((tmp_path / "kv").glob("*.kvchunk"))
+    assert len(files) == 4
+    for path in files:
+        data = bytearray(path.read_bytes())
+        data[-5] ^= 0x10
+        path.write_bytes(bytes(data))
+    reset_stores()
+    scheduler, worker = connectors(GQA, extra)
+    register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
+    assert run_step(scheduler, worker, "b", prompt, [5, 6, 7, 8, 9], False) == 0
+    assert worker.stats.saved_blocks == 4, "all four chunks written again, not only the first"
+    reset_stores()
+    assert lookup(connectors(GQA, extra)[0], prompt) == 4 * BS
+
+
+def test_an_unavailable_method_fails_at_start_up(monkeypatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    _, worker = connectors(GQA, {"method": "triton"})
+    with pytest.raises(ValueError, match="method 'triton' cannot run here: triton kernels need a CUDA device"):
+        register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole-step", "layerwise"])
+def test_a_failing_save_or_load_never_reaches_the_request(monkeypatch, caplog, layerwise) -> None:
+    scheduler, worker = connectors(GQA, {"layerwise": layerwise})
+    register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
+    prompt = list(range(4 * BS + 1))
+
+    def broken(chunk):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(worker.store, "put", broken)
+    with caplog.at_level(logging.WARNING, logger="kvlab.connector"):
+        run_step(scheduler, worker, "a", prompt, [0, 1, 2, 3, 4], layerwise)
+        run_step(scheduler, worker, "b", prompt, [5, 6, 7, 8, 9], layerwise)
+    assert worker.stats.save_errors == 2 and caplog.text.count("a save failed") == 1
+    monkeypatch.undo()
+    run_step(scheduler, worker, "c", prompt, [0, 1, 2, 3, 4], layerwise)  # saved now
+
+    def no_copy(*args, **kwargs):
+        raise RuntimeError("copy engine fault")
+
+    monkeypatch.setattr("kvlab.connector.run_all", no_copy)
+    monkeypatch.setattr("kvlab.connector.Transfer.run", no_copy)
+    assert run_step(scheduler, worker, "d", prompt, [10, 11, 12, 13, 14], layerwise) == 4 * BS
+    assert worker.get_block_ids_with_load_errors() == {10, 11, 12, 13}, "handed back to vLLM to recompute"
+    assert worker.stats.load_errors == 1

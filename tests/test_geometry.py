@@ -54,6 +54,10 @@ def test_config_folder_and_dict(tmp_path):
         ('{"num_attention_heads": 8}', "lacks 'num_hidden_layers'"),
         ('{"num_hidden_layers": 0, "num_attention_heads": 8, "hidden_size": 64}', "must be a positive integer"),
         ('{"num_hidden_layers": 2, "kv_lora_rank": 512}', "lacks 'qk_rope_head_dim'"),
+        ('{"text_config": null, "model_type": "llava"}', "lacks 'num_hidden_layers'"),
+        ('{"text_config": [2, 4]}', r"text_config must be a JSON object, got \[2, 4\]"),
+        ('{"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 8, "hidden_size": 256}',
+         r"num_key_value_heads \(8\) exceeds num_attention_heads \(4\)"),
     ],
 )
 def test_malformed_config(tmp_path, text, message):
@@ -61,6 +65,12 @@ def test_malformed_config(tmp_path, text, message):
     path.write_text(text)
     with pytest.raises(ValueError, match=message):
         ModelGeometry.from_hf_config(path)
+
+
+def test_null_text_config_is_no_text_config():
+    """``"text_config": null`` (as some configs write it) leaves the top-level fields in charge."""
+    config = {**json.loads((CONFIGS / "qwen3-8b.json").read_text()), "text_config": None}
+    assert ModelGeometry.from_hf_config(config).num_kv_heads == 8
 
 
 def test_missing_model_folder(tmp_path):

@@ -15,6 +15,7 @@ import pytest
 
 pytest.importorskip("lm_eval")
 
+from kvlab import lmeval  # noqa: E402
 from kvlab.lmeval import TASK, compare_connectors, gsm8k_config, write_task  # noqa: E402
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "lmeval.md"
@@ -41,6 +42,24 @@ def test_task_folder_loads_in_lm_eval_like_gsm8k(tmp_path, offline) -> None:
     first, second = (task.fewshot_context(doc, 3) for doc in docs[:2])
     prefix = os.path.commonprefix([first, second])
     assert prefix.startswith("Question: ") and prefix.count("#### ") == 3  # every problem, the same shots
+
+
+@pytest.mark.parametrize("options, error, message", [
+    ({}, FileNotFoundError, "no config.json there"),
+    ({"limit": 0}, ValueError, "limit must be an integer >= 1, got 0"),
+    ({"limit": 0.5}, ValueError, "limit must be an integer >= 1, got 0.5"),
+    ({"num_fewshot": -1}, ValueError, "num_fewshot must be an integer >= 0, got -1"),
+    ({"max_gen_toks": 0}, ValueError, "max_gen_toks must be an integer >= 1, got 0"),
+])
+def test_bad_run_is_refused_before_the_engine(tmp_path, monkeypatch, options, error, message) -> None:
+    """What lm-eval would fail at (or read as a fraction) only after an engine started is refused first."""
+    monkeypatch.setattr(lmeval, "run_child", lambda *args: pytest.fail("an engine process was started"))
+    model = tmp_path / "model"
+    model.mkdir()
+    if options:
+        (model / "config.json").write_text("{}")
+    with pytest.raises(error, match=re.escape(message)):
+        lmeval.run_lmeval(model, tmp_path / "task", "none", **options)
 
 
 def documented_commands() -> list[str]:

