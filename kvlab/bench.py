@@ -566,6 +566,19 @@ def default_results_path(stem: str, device: str | torch.device = "auto", results
     return Path(results_dir) / f"{stem}-{_slug(device.type + ' ' + device_name(device))}.jsonl"
 
 
+def results_for(stem: str, results_dir: str | Path, device: str | torch.device = "auto") -> list[dict[str, Any]]:
+    """The rows to show for ``stem``: this machine's newest run when it has a results file,
+    else the newest run of every machine that committed one (each row names its hardware),
+    so figures redraw on any machine, not only on the one that measured."""
+    own = default_results_path(stem, device, results_dir)
+    if own.exists():
+        return load_results([own])
+    files = sorted(Path(results_dir).glob(f"{stem}-*.jsonl"))
+    if not files:
+        raise FileNotFoundError(f"no {stem}-*.jsonl in {results_dir}: run with measure=True (make run) first")
+    return load_results(files)
+
+
 def format_rows(rows: Sequence[dict[str, Any]]) -> str:
     """A readable table of sweep rows."""
     lines = [f"{'model':34s} {'layout':18s} {'blocks':10s} {'target':10s} {'method':9s} {'dir':7s} {'tokens':>6s} "
