@@ -1,8 +1,7 @@
 """Command line: ``python -m kvlab layout|bench|layerwise|notebooks|models|lmeval ...``.
 
 Imports torch only at start-up (matplotlib where a report needs it), so ``bench`` runs on
-a bare GPU machine.
-"""
+a bare GPU machine."""
 
 from __future__ import annotations
 
@@ -11,9 +10,10 @@ import json
 import sys
 from typing import Sequence
 
-from kvlab.geometry import resolve_model
-from kvlab.layouts import LAYOUTS, get_layout
-from kvlab.segments import transfer_cost
+from kvlab.cache.geometry import resolve_model
+from kvlab.cache.layouts import LAYOUTS, get_layout
+from kvlab.cache.segments import transfer_cost
+from kvlab.transfer.registry import ALL_METHODS
 
 
 def _parse_block_ids(text: str) -> str | list[int]:
@@ -42,7 +42,7 @@ def layout_report(args: argparse.Namespace) -> dict:
 
 
 def print_report(report: dict) -> None:
-    from kvlab.plotting import human_bytes
+    from kvlab.plotting.common import human_bytes
 
     g, layout = report["geometry"], report["layout"]
     mla = f"MLA latent {g['kv_lora_rank']}+{g['qk_rope_head_dim']}" if g["mla"] else f"{g['num_kv_heads']} kv heads x {g['head_size']}"
@@ -72,7 +72,7 @@ def _csv(text: str | None, kind: type = str) -> list | None:
 
 
 def run_bench(args: argparse.Namespace) -> None:
-    from kvlab import bench
+    from kvlab.experiments import bench
 
     profile = dict(bench.PROFILES["quick" if args.quick else args.profile or "full"])
     for key, value in (("models", _csv(args.model)), ("tokens", _csv(args.tokens, int)),
@@ -85,9 +85,9 @@ def run_bench(args: argparse.Namespace) -> None:
         raise ValueError(f"--tokens must be positive, got {profile['tokens']}")
     for layout in profile["layouts"]:
         get_layout(layout)
-    unknown = [m for m in profile["methods"] if m not in bench.METHODS + bench.PEERS]
+    unknown = [m for m in profile["methods"] if m not in ALL_METHODS]
     if unknown:
-        raise ValueError(f"unknown method(s) {unknown}; choose from {list(bench.METHODS + bench.PEERS)}")
+        raise ValueError(f"unknown method(s) {unknown}; choose from {list(ALL_METHODS)}")
     out = None if args.no_save else args.out or bench.default_results_path("02_transfer", args.device, args.results_dir)
     configs = bench.configs(profile, dtype=args.dtype, block_size=args.block_size)
     repeats = profile["repeats"] if args.repeats is None else args.repeats
@@ -98,7 +98,7 @@ def run_bench(args: argparse.Namespace) -> None:
 
 
 def run_layerwise(args: argparse.Namespace) -> None:
-    from kvlab import bench
+    from kvlab.experiments import bench
 
     out = None if args.no_save else args.out or bench.default_results_path("02_layerwise", args.device, args.results_dir)
     rows = bench.run_pipeline_sweep(_csv(args.model), _csv(args.tokens, int), _csv(args.intensities, float),
@@ -114,8 +114,8 @@ def run_layerwise(args: argparse.Namespace) -> None:
 def run_models(args: argparse.Namespace) -> int:
     """``models prepare`` builds the local model folders, ``models list`` shows them; each
     prints one line a folder (name, state, size, path)."""
-    from kvlab import models
-    from kvlab.plotting import human_bytes
+    from kvlab.plotting.common import human_bytes
+    from kvlab.runtime import models
 
     if args.action == "prepare":
         models.prepare_all(args.models_dir, only=args.only)
@@ -130,7 +130,8 @@ def run_lmeval(args: argparse.Namespace) -> int:
     import tempfile
     from pathlib import Path
 
-    from kvlab import lmeval, models
+    from kvlab.experiments import lmeval
+    from kvlab.runtime import models
 
     model = args.model if Path(args.model).is_dir() else models.model_path(args.model)
     lmeval.check_run(model, limit=args.limit, num_fewshot=args.num_fewshot, max_gen_toks=args.max_gen_toks)
@@ -237,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "lmeval":
             return run_lmeval(args)
         else:
-            from kvlab.notebooks import run_notebooks
+            from kvlab.runtime.notebooks import run_notebooks
 
             run_notebooks(quick=args.quick, only=args.only, out=args.out, measure=not args.from_results)
     # what a user's input or machine causes (a bad value, a missing or unwritable file, a

@@ -1,6 +1,6 @@
 """Shared fixtures: the trained model the engine tests run, prompts cut from the book
-reasoning-gym ships, a LoRA adapter for it; ``running`` (imported by the server tests) for
-processes left behind."""
+reasoning-gym ships, a LoRA adapter for it; ``prepared`` and ``running`` (imported by the
+server tests): a model folder or a skip, and the processes left behind."""
 
 import json
 import os
@@ -16,7 +16,7 @@ def smollm2() -> str:
     """SmolLM2-135M-Instruct in fp32 (bitwise comparisons need it); skips without vLLM or
     the prepared folder."""
     pytest.importorskip("vllm")
-    from kvlab.models import model_path
+    from kvlab.runtime.models import model_path
 
     try:
         return str(model_path("smollm2-135m-instruct-fp32"))
@@ -29,7 +29,7 @@ def prompts(smollm2: str) -> list[list[int]]:
     """Two passages of the book (300 and 250 tokens)."""
     from transformers import AutoTokenizer
 
-    from kvlab.accuracy import book_text
+    from kvlab.experiments.tasks import book_text
 
     ids = AutoTokenizer.from_pretrained(smollm2)(book_text())["input_ids"]
     return [ids[1000:1300], ids[5000:5250]]
@@ -59,6 +59,17 @@ def lora_adapter(smollm2: str, tmp_path_factory: pytest.TempPathFactory) -> str:
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 16, "lora_dropout": 0.0,
         "target_modules": ["k_proj", "v_proj"], "bias": "none", "base_model_name_or_path": smollm2}))
     return str(folder)
+
+
+def prepared(name: str) -> str:
+    """A prepared model name of kvlab.runtime.models; skips the test when it is not built."""
+    from kvlab.runtime.models import model_path
+
+    try:
+        model_path(name)
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+    return name
 
 
 def running(pids: list[int]) -> list[int]:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from kvlab import bench, lmeval
 from kvlab.cli import main
+from kvlab.experiments import bench, lmeval
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 SMALL_CONFIG = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 256}
@@ -183,7 +183,7 @@ def test_module_entry_point():
 
 def test_core_imports_torch_only():
     code = (
-        "import sys, kvlab.geometry, kvlab.layouts, kvlab.segments, kvlab.plotting, kvlab.cli;"
+        "import sys, kvlab.cache, kvlab.transfer, kvlab.store, kvlab.hooks, kvlab.plotting, kvlab.cli;"
         "bad = [m for m in ('vllm', 'lmcache', 'transformers', 'pandas') if m in sys.modules];"
         "assert not bad, bad"
     )

@@ -1,0 +1,158 @@
+"""Drive KVLabConnector the way vLLM's scheduler and model runner do, without an engine.
+
+vLLM's CPU backend never hands a connector a cross-layer cache, so this is how the
+cross-layer paths are exercised here: the scheduler side is fed vLLM's own SchedulerOutput
+classes, and the worker side gets its cache exactly as each vLLM generation builds it
+(vLLM's own allocator for >= 0.29, the 0.12-0.28 runner's recipe for the cross-layer
+tensor, per-layer tensors or Ascend tuples otherwise). Imports vLLM."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+from kvlab import hooks
+from kvlab.cache.allocation import allocate, layer_name
+from kvlab.cache.geometry import ModelGeometry
+from kvlab.cache.layouts import GENERATIONS
+from kvlab.connector.connector import KVLabConnector, KVLabMetadata
+from kvlab.connector.vllm_views import vllm_layer_views
+
+
+def stand_in_config(geometry: ModelGeometry, extra: dict | None = None, model: str | None = None) -> SimpleNamespace:
+    """The parts of a VllmConfig the connector reads, around a real KVTransferConfig;
+    ``model`` is the model's folder (default: a name that is no folder)."""
+    model = SimpleNamespace(
+        model=model or f"/models/{geometry.name}", dtype=geometry.dtype, use_mla=geometry.is_mla,
+        get_num_kv_heads=lambda parallel: geometry.num_kv_heads, get_head_size=lambda: geometry.head_size,
+        hf_text_config=SimpleNamespace(kv_lora_rank=geometry.kv_lora_rank, qk_rope_head_dim=geometry.qk_rope_head_dim),
+    )
+    transfer = KVTransferConfig(kv_connector="KVLabConnector", kv_connector_module_path="kvlab.connector",
+                                kv_role="kv_both", kv_connector_extra_config=dict(extra or {}))
+    return SimpleNamespace(kv_transfer_config=transfer, model_config=model, parallel_config=None,
+                           cache_config=SimpleNamespace(block_size=geometry.block_size, cache_dtype="auto"))
+
+
+def connector_pair(geometry: ModelGeometry, num_blocks: int, extra: dict | None = None,
+                   model: str | None = None) -> tuple[KVLabConnector, KVLabConnector]:
+    """A scheduler-side and a worker-side connector of one engine (they share a store)."""
+    config = stand_in_config(geometry, extra, model)
+    kv_config = SimpleNamespace(num_blocks=num_blocks, kv_cache_tensors=[
+        SimpleNamespace(shared_by=[layer_name(i)]) for i in range(geometry.num_layers)])
+    return (KVLabConnector(config, KVConnectorRole.SCHEDULER, kv_config),
+            KVLabConnector(config, KVConnectorRole.WORKER, kv_config))
+
+
+@dataclass
+class LegacyBackend:
+    """An attention backend of vLLM 0.12-0.28 as its runner sees one: a per-layer shape
+    and a stride order with a layers dimension."""
+
+    shape: tuple[int, ...]
+    order: tuple[int, ...]
+
+    def get_kv_cache_stride_order(self, include_num_layers_dimension: bool = False) -> tuple[int, ...]:
+        return self.order
+
+
+# The cross-layer hand-overs driven here: (atlas generation, cache layout setting).
+LEGACY_CROSS_LAYER = {
+    "vllm0.12 flash NHD cross": ("flash_attn_v0.12", "NHD"),  # (NB, L, 2, BS, H, D)
+    "vllm0.12 flash HND cross": ("flash_attn_v0.12", "HND"),  # (NB, H, L, 2, BS, D)
+    "vllm0.26 NHD cross": ("flash_attn_v0.26", "NHD"),  # (NB, L, BS, H, 2D)
+}
+
+
+def legacy_backends(geometry: ModelGeometry, num_blocks: int) -> dict[str, LegacyBackend]:
+    """The cross-layer-capable backends of vLLM 0.12-0.28, each as its runner saw it: the
+    per-layer shape and the stride order with a layers dimension, read off the atlas's
+    generation table (kvlab.cache.layouts.GENERATIONS)."""
+    sizes = {"S": 2, "B": num_blocks, "N": geometry.block_size, "H": geometry.num_kv_heads, "D": geometry.head_size,
+             "SD": 2 * geometry.head_size}
+    generations = {gen.name: gen for gen in GENERATIONS}
+    out = {}
+    for name, (generation, kv_layout) in LEGACY_CROSS_LAYER.items():
+        gen = generations[generation]
+        out[name] = LegacyBackend(tuple(sizes[axis] for axis in gen.logical), gen.cross_layer[kv_layout])
+    return out
+
+
+def register_cross_layers_v012(worker: KVLabConnector, geometry: ModelGeometry, num_blocks: int,
+                               backend: LegacyBackend) -> torch.Tensor:
+    """What vLLM 0.12-0.28's allocate_uniform_kv_caches builds, handed to
+    register_cross_layers_kv_cache: one zeroed byte buffer viewed in the physical order."""
+    shape = (geometry.num_layers,) + backend.shape
+    physical = tuple(shape[i] for i in backend.order)
+    cross = torch.zeros(num_blocks * geometry.block_bytes, dtype=torch.int8).view(geometry.dtype).view(physical)
+    worker.register_cross_layers_kv_cache(cross, backend)
+    return cross
+
+
+def register(worker: KVLabConnector, how: str, geometry: ModelGeometry, num_blocks: int) -> None:
+    """Hand ``worker`` a cache the way ``how`` names: "vllm>=0.29 <KVCacheLayout>", one of
+    legacy_backends(), or a kvlab layout given as per-layer tensors or tuples."""
+    legacy = legacy_backends(geometry, num_blocks)
+    if how.startswith("vllm>=0.29 "):
+        worker.register_kv_caches(vllm_layer_views(how.split()[1], geometry, num_blocks))
+    elif how in legacy:
+        register_cross_layers_v012(worker, geometry, num_blocks, legacy[how])
+    else:
+        worker.register_kv_caches(allocate(how, geometry, num_blocks).layers)
+
+
+def schedule(req_id: str, prompt: list[int], block_ids: list[int], computed: int) -> SchedulerOutput:
+    """A step that schedules one new request's whole remaining prompt."""
+    new = NewRequestData(req_id=req_id, prompt_token_ids=prompt, mm_features=[], sampling_params=None,
+                         pooling_params=None, block_ids=(block_ids,), num_computed_tokens=computed, lora_request=None)
+    todo = len(prompt) - computed
+    return SchedulerOutput(scheduled_new_reqs=[new], scheduled_cached_reqs=CachedRequestData.make_empty(),
+                           num_scheduled_tokens={req_id: todo}, total_num_scheduled_tokens=todo,
+                           scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={}, finished_req_ids=set(),
+                           free_encoder_mm_hashes=[])
+
+
+def vllm_request(req_id: str, prompt: list[int], **fields: Any) -> SimpleNamespace:
+    """What the scheduler side reads of a vLLM Request; ``fields`` set ``cache_salt``,
+    ``lora_request`` or ``mm_features``."""
+    defaults = {"lora_request": None, "cache_salt": None, "mm_features": [], "prompt_embeds": None}
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=prompt, **{**defaults, **fields})
+
+
+def prefill(scheduler: KVLabConnector, worker: KVLabConnector, req_id: str, prompt: list[int],
+            block_ids: list[int], layerwise: bool = False, ascend_hooks: bool = False,
+            **request_fields: Any) -> dict[str, Any]:
+    """One prefill step of one request through both sides, in vLLM's call order (lookup,
+    allocation, metadata, load, per-layer hooks, save). With ``ascend_hooks`` the per-layer
+    calls go through kvlab.hooks with one metadata object for every layer, as vllm-ascend's
+    attention makes them. ``request_fields`` set a vLLM Request's other fields
+    (``cache_salt``, ``lora_request``, ``mm_features``). Returns hits and times."""
+    request = vllm_request(req_id, prompt, **request_fields)
+    hit, _ = scheduler.get_num_new_matched_tokens(request, 0)
+    scheduler.update_state_after_alloc(request, None, hit)
+    meta = scheduler.build_connector_meta(schedule(req_id, prompt, block_ids, hit))
+    assert isinstance(meta, KVLabMetadata)
+    worker.bind_connector_metadata(meta)
+    start = time.perf_counter()
+    worker.start_load_kv(None)
+    if ascend_hooks:
+        with hooks.connector_active(worker, SimpleNamespace(num_actual_tokens=len(prompt) - hit)):
+            for name, kv in worker.cache.layers.items():
+                hooks.wait_for_kv_layer_from_connector(name)
+                hooks.maybe_save_kv_layer_to_connector(name, kv)
+    elif layerwise:
+        for name in worker.cache.layers:
+            worker.wait_for_layer_load(name)
+            worker.save_kv_layer(name, worker.cache.layers[name], None)
+    loaded = time.perf_counter()
+    worker.wait_for_save()
+    saved = time.perf_counter()
+    worker.clear_connector_metadata()
+    scheduler.request_finished(request, block_ids)
+    return {"hit_tokens": hit, "load_s": loaded - start, "save_s": saved - loaded}

@@ -1,0 +1,222 @@
+"""Accuracy through the engine: the same requests on one vLLM engine per reuse path
+(recompute; vLLM's own prefix-cache hit, the control; KVLabConnector whole-step and
+layerwise; LMCache; vLLM's ExampleConnector), compared on greedy generations, on
+teacher-forced logprobs of a text continued on top of a reused prefix (perplexity), and
+on a GSM8K-style task's score. Engines start in child processes."""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from kvlab.experiments.paths import Reuse
+from kvlab.experiments.tasks import STOP, GSMTask, book_text, text_windows
+
+RECOMPUTE, CONTROL = Reuse.RECOMPUTE.label, Reuse.VLLM_PREFIX_HIT.label
+
+
+@dataclass(frozen=True)
+class ReusePath:
+    """One way of serving a prompt's prefix: its engine and the phase whose outputs used
+    the reused KV ("cold" for recompute, where nothing is reused)."""
+
+    name: str
+    connector: str = "none"
+    extra: dict = field(default_factory=dict)
+    prefix_caching: bool = False
+    phase: str = "warm"
+    zeroed: bool = False  # also a run on zeroed stored KV (the sensitivity control)
+
+    @property
+    def phases(self) -> tuple[str, ...]:
+        return ("cold",) + (() if self.phase == "cold" else (self.phase,)) + (("warm-zeroed",) if self.zeroed else ())
+
+
+def reuse_paths(lmcache: bool = False, chunk_size: int | None = None) -> list[ReusePath]:
+    """Recompute, the control, KVLabConnector whole-step and layerwise (with the
+    zeroed-KV sensitivity run), LMCache (when asked: it needs a server) and vLLM's
+    ExampleConnector."""
+    kvlab = {"store": "cpu", **({"chunk_size": chunk_size} if chunk_size else {})}
+    paths = [ReusePath(RECOMPUTE, phase="cold"), ReusePath(CONTROL, prefix_caching=True, phase="floor"),
+             ReusePath(Reuse.KVLAB_WHOLE_STEP.label, "kvlab", kvlab, zeroed=True),
+             ReusePath(Reuse.KVLAB_LAYERWISE.label, "kvlab", {**kvlab, "layerwise": True}, zeroed=True)]
+    if lmcache:
+        paths.append(ReusePath(Reuse.LMCACHE.label, "lmcache"))
+    return paths + [ReusePath(Reuse.EXAMPLE_CONNECTOR.label, "example")]
+
+
+@dataclass
+class AccuracyCheck:
+    """Run the same requests on every reuse path and compare: greedy generations of the
+    task prompts, teacher-forced logprobs of text continuations on top of reused prefixes
+    (perplexity), and task scores. Usage: ``report = AccuracyCheck(model).run()``."""
+
+    model: str
+    dtype: str = "float32"
+    task: GSMTask = field(default_factory=GSMTask)
+    max_tokens: int = 96
+    windows: int = 2
+    prefix_tokens: int = 512
+    scored_tokens: int = 64
+    block_size: int = 32
+    max_model_len: int = 4096
+    lmcache: Any = None  # a running kvlab.runtime.lmcache.LMCacheServer: adds the LMCache path
+    workdir: str | None = None
+    paths: list[ReusePath] | None = None
+
+    def requests(self) -> tuple[list[list[int]], list[list[int] | None]]:
+        """Token ids of the task prompts, then of the text windows' prefixes, with the
+        continuations to force (None for the task prompts)."""
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(self.model)
+        prompts = [tokenizer.encode(p) for p in self.task.prompts()]
+        windows = text_windows(tokenizer.encode(book_text()), self.windows, self.prefix_tokens, self.scored_tokens)
+        return prompts + [p for p, _ in windows], [None] * len(prompts) + [c for _, c in windows]
+
+    def run(self) -> AccuracyReport:
+        from kvlab.experiments.ttft import run_any_engine
+        from kvlab.runtime.engine import EngineSpec, check_inputs
+
+        paths = self.paths or reuse_paths(lmcache=self.lmcache is not None)
+        if [p.name for p in paths[:2]] != [RECOMPUTE, CONTROL]:
+            raise ValueError(f"the first two paths must be {RECOMPUTE!r} and the control {CONTROL!r}")
+        check_inputs(self.model, [[0]])
+        prompts, forced = self.requests()
+        # one prefill step for the whole batch: same scheduling on every path (and
+        # ExampleConnector cannot store a chunked prefill)
+        batch_tokens = max(sum(map(len, prompts)), self.max_model_len)
+        with tempfile.TemporaryDirectory() as tmp:
+            workdir = Path(self.workdir or tmp)
+            results = {}
+            for path in tqdm(paths, desc="reuse paths", unit="engine"):
+                spec = EngineSpec(model=self.model, connector=path.connector, extra=dict(path.extra),
+                                  prefix_caching=path.prefix_caching, phases=path.phases, dtype=self.dtype,
+                                  block_size=self.block_size, max_tokens=self.max_tokens,
+                                  max_model_len=self.max_model_len, workdir=str(workdir / path.name.replace(" ", "-")),
+                                  batch=True, stop=STOP, max_num_batched_tokens=batch_tokens)
+                results[path.name] = run_any_engine(spec, prompts, self.lmcache, forced=forced)
+        return AccuracyReport(self, paths, results, self.task.size)
+
+
+@dataclass
+class AccuracyReport:
+    """What every reuse path returned, and the comparisons as table rows."""
+
+    check: AccuracyCheck
+    paths: list[ReusePath]
+    results: dict[str, dict]
+    task_size: int
+
+    def rows(self, path: ReusePath, phase: str | None = None) -> list[dict]:
+        return sorted(self.results[path.name]["phases"][phase or path.phase], key=lambda r: r["prompt"])
+
+    def generations(self) -> list[dict]:
+        """Per path: share of task prompts whose greedy output equals recompute's, the
+        first diverging position where one differs, and the largest chosen-token logprob
+        difference before it, against recompute and against the control."""
+        reference, control = self.rows(self.paths[0]), self.rows(self.paths[1])
+        table = []
+        for path in self.paths:
+            rows = self.rows(path)[:self.task_size]
+            diverge = [_first_difference(r["token_ids"], ref["token_ids"]) for r, ref in zip(rows, reference)]
+            table.append({
+                "path": path.name, "prompts": len(rows), "identical": sum(d is None for d in diverge),
+                "identical_share": sum(d is None for d in diverge) / len(rows),
+                "first_divergence": [d for d in diverge if d is not None],
+                "identical_to_control": sum(r["token_ids"] == c["token_ids"] for r, c in zip(rows, control)),
+                "max_logprob_diff": _max_logprob_diff(rows, reference),
+                "max_logprob_diff_vs_control": _max_logprob_diff(rows, control),
+                "reused_tokens": sum(r["cached_tokens"] for r in rows),
+            })
+        return table
+
+    def perplexity(self) -> list[dict]:
+        """Per path: teacher-forced logprobs of the text continuations computed on top of
+        the reused prefixes: perplexity, the largest logprob difference against recompute
+        and against the control (0.0 means bitwise equal), the prefix tokens each path
+        really served from reused KV, and (KVLab) the perplexity when the stored KV is
+        zeroed: far off, which shows the check reads the reloaded KV."""
+        reference, control = self.rows(self.paths[0]), self.rows(self.paths[1])
+        table = []
+        for path in self.paths:
+            rows = self.rows(path)[self.task_size:]
+            row = {
+                "path": path.name, "windows": len(rows), "scored_tokens": sum(len(r["logprobs"]) for r in rows),
+                "reused_prefix_tokens": sum(r["cached_tokens"] for r in rows),
+                "prefix_tokens": sum(r["prompt_tokens"] for r in rows),
+                "perplexity": _perplexity(rows),
+                "max_logprob_diff": _max_logprob_diff(rows, reference[self.task_size:]),
+                "max_logprob_diff_vs_control": _max_logprob_diff(rows, control[self.task_size:]),
+                "perplexity_zeroed_kv": None,
+            }
+            if path.zeroed:
+                row["perplexity_zeroed_kv"] = _perplexity(self.rows(path, "warm-zeroed")[self.task_size:])
+            table.append(row)
+        return table
+
+    def records(self) -> list[dict]:
+        """Every table's rows, each tagged with its table, model and dtype (to record)."""
+        labels = {"model": Path(self.check.model).name, "dtype": self.check.dtype}
+        return [{"table": name, **labels, **row} for name, rows in
+                (("generations", self.generations()), ("perplexity", self.perplexity()), ("task", self.task_scores()))
+                for row in rows]
+
+    def task_scores(self) -> list[dict]:
+        """Per path and answer filter: accuracy +/- stderr of the task, and whether its
+        difference to recompute is within one stderr."""
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(self.check.model)
+        scores = {}
+        for path in self.paths:
+            texts = [tokenizer.decode(r["token_ids"], skip_special_tokens=True) for r in self.rows(path)[:self.task_size]]
+            scores[path.name] = self.check.task.score(texts)
+        base = scores[self.paths[0].name]
+        rows = []
+        for name, by_filter in scores.items():
+            for f, s in by_filter.items():
+                difference = s["accuracy"] - base[f]["accuracy"]
+                rows.append({"path": name, "filter": f, **s, "difference": difference,
+                             "within_stderr": difference == 0 or abs(difference) <= base[f]["stderr"]})
+        return rows
+
+
+def against_control(rows: Sequence[dict]) -> list[dict]:
+    """Rows of one table (generations or perplexity) with ``no_worse_than_control``: the
+    path is as close to recompute as vLLM's own prefix hit is (as many identical
+    generations, a logprob difference no larger)."""
+    control = next((r for r in rows if Reuse.of(r["path"]) is Reuse.VLLM_PREFIX_HIT), None)
+    if control is None:
+        raise ValueError(f"these rows have no {CONTROL!r} row to compare with")
+    counts = control.get("identical") is not None and control["identical"] == control["identical"]  # not NaN
+    return [{**r, "no_worse_than_control": r["max_logprob_diff"] <= control["max_logprob_diff"]
+             and (not counts or r["identical"] >= control["identical"])} for r in rows]
+
+
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _max_logprob_diff(rows: Sequence[dict], reference: Sequence[dict]) -> float:
+    """Largest chosen-token logprob difference over the positions where both chose the
+    same tokens so far (after a divergence the contexts differ)."""
+    worst = 0.0
+    for row, ref in zip(rows, reference):
+        same = _first_difference(row["token_ids"], ref["token_ids"])
+        upto = len(row["token_ids"]) if same is None else same
+        worst = max([worst] + [abs(p - q) for p, q in zip(row["logprobs"][:upto], ref["logprobs"][:upto])])
+    return worst
+
+
+def _perplexity(rows: Sequence[dict]) -> float:
+    logprobs = [lp for r in rows for lp in r["logprobs"]]
+    return math.exp(-sum(logprobs) / len(logprobs))

@@ -1,0 +1,31 @@
+"""Figures, one module per notebook (atlas: 01, transfer: 02, connector: 03, accuracy: 04)
+plus what they share; drawn from kvlab's data and committed results, never from a
+notebook's private state, so every one regenerates with the same call."""
+
+from kvlab.plotting.accuracy import accuracy_figure, comparison_figure, roundtrip_figure
+from kvlab.plotting.atlas import (
+    COLOUR_BY,
+    atlas,
+    draw_memory_map,
+    memory_map,
+    miniature,
+    segment_scaling,
+    segments_by_layout,
+)
+from kvlab.plotting.common import human_bytes, save_figure
+from kvlab.plotting.connector import hooks_timeline, registration_figure, ttft_figure
+from kvlab.plotting.transfer import (
+    bandwidth_vs_tokens,
+    break_even_figure,
+    cost_model_figure,
+    hardware_figure,
+    layerwise_figure,
+    transfer_ratios,
+)
+
+__all__ = [
+    "human_bytes", "save_figure", "COLOUR_BY", "miniature", "draw_memory_map", "memory_map", "segment_scaling",
+    "segments_by_layout", "atlas", "transfer_ratios", "bandwidth_vs_tokens", "cost_model_figure",
+    "break_even_figure", "layerwise_figure", "hardware_figure", "hooks_timeline", "ttft_figure",
+    "registration_figure", "roundtrip_figure", "accuracy_figure", "comparison_figure",
+]

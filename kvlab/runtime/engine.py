@@ -1,0 +1,287 @@
+"""Run vLLM's CPU engine with and without KV connectors, one engine per process.
+
+Each engine runs in a fresh Python process (``python -m kvlab.runtime.engine``), so
+connector stores, compile caches and thread bindings never leak between the things
+compared, and "a new process" is literally one. Every engine is pinned to the same thread
+count (kvlab.runtime.processes). Imports vLLM only in the child process."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvlab.runtime.configs import kv_transfer_config
+from kvlab.runtime.processes import run_child
+
+
+@dataclass
+class EngineSpec:
+    """One engine and what to run on it: each phase sends every prompt once, in order.
+
+    Phases: "cold" (first sight), "floor" (again, served by vLLM's own prefix cache:
+    nothing moves), "warm" (vLLM's prefix cache emptied before each prompt when it is on,
+    so the prefix can only come from the connector), "warm-disk" (also the connector's
+    in-memory tier emptied, so KV comes from disk). "cold" runs every prompt first; the
+    other phases then run in order for one prompt after another. A phase named more than
+    once is repeated and its rows pooled; alternating "floor" and "warm" pairs each
+    connector sample with a floor sample of the same prompt in the same engine.
+    "warm-zeroed" runs after everything else: KVLabConnector's in-memory chunks are
+    zeroed first, so its outputs show whether a check is sensitive to the reloaded KV.
+
+    ``batch`` sends all prompts of a phase in one call (task runs: faster, and no
+    per-prompt timing); ``max_num_batched_tokens`` at least the batch's prompt tokens
+    prefills it in one step (vLLM's ExampleConnector stores a request's first prefill
+    chunk under the whole prompt's key, so chunked prefills break its loads). ``stop``
+    ends generations at these strings. ``lora_adapters`` (name -> adapter folder) turns
+    LoRA on; :func:`run_engine`'s ``loras`` picks one per prompt.
+    """
+
+    model: str
+    connector: str = "none"
+    extra: dict[str, Any] = field(default_factory=dict)
+    prefix_caching: bool = False
+    phases: tuple[str, ...] = ("cold", "warm")
+    dtype: str = "bfloat16"
+    block_size: int = 32
+    max_tokens: int = 1
+    max_model_len: int = 4096
+    workdir: str | None = None
+    batch: bool = False
+    stop: tuple[str, ...] = ()
+    max_num_batched_tokens: int | None = None
+    lora_adapters: dict[str, str] = field(default_factory=dict)
+
+
+def check_inputs(model: str | Path, prompts: list[list[int]]) -> None:
+    """A clear error, before any engine starts, for a missing model folder or no prompts."""
+    if not prompts or not all(prompts):
+        raise ValueError("need at least one non-empty prompt")
+    if not (Path(model) / "config.json").exists():
+        raise FileNotFoundError(f"no model folder at {model} (a folder with config.json; "
+                                "kvlab.runtime.models.model_path gives the prepared ones)")
+
+
+def run_engine(spec: EngineSpec, prompts: list[list[int]], timeout: float = 900,
+               forced: list[list[int] | None] | None = None, salts: list[str | None] | None = None,
+               loras: list[str | None] | None = None) -> dict:
+    """Start ``spec`` in a new process, run its phases over ``prompts`` (token ids) and
+    return per-phase, per-prompt first-token times, outputs, cache hits, the time the
+    model runner spent inside the connector, and connector stats.
+
+    ``forced[i]``, when given, makes prompt i a scoring request: the engine is made to
+    emit exactly those tokens (teacher forcing) and reports each one's logprob under the
+    raw model, computed on top of whatever KV the prompt's prefix got: vLLM's
+    ``prompt_logprobs`` cannot do this, it skips cached prefixes.
+
+    ``salts[i]`` is prompt i's ``cache_salt`` (vLLM's per-tenant prefix-cache isolation),
+    ``loras[i]`` the name of one of ``spec.lora_adapters`` to run prompt i with."""
+    check_inputs(spec.model, prompts)
+    for name, values in (("salts", salts), ("loras", loras)):
+        if values is not None and len(values) != len(prompts):
+            raise ValueError(f"{name} needs one entry per prompt (None for none)")
+    unknown = {name for name in loras or () if name is not None} - set(spec.lora_adapters)
+    if unknown:
+        raise ValueError(f"loras names adapters {sorted(unknown)} that spec.lora_adapters does not have")
+    if forced is not None and (len(forced) != len(prompts) or any(f is not None and not f for f in forced)):
+        raise ValueError("forced needs one entry per prompt: a non-empty token list or None")
+    if max(map(len, prompts)) + max(len(f or ()) for f in (forced or [None])) + spec.max_tokens > spec.max_model_len:
+        raise ValueError(f"a prompt of {max(map(len, prompts))} tokens plus its output does not fit in "
+                         f"max_model_len={spec.max_model_len}")
+    return run_child("kvlab.runtime.engine", {"spec": asdict(spec), "prompts": prompts, "forced": forced,
+                                      "salts": salts, "loras": loras},
+                     f"engine {spec.connector} on {spec.model}", timeout)
+
+
+def _forced_tokens_processor() -> type:
+    """A vLLM logits processor that makes a request emit ``extra_args["forced_tokens"]``.
+    Everything else is masked after vLLM has taken the raw logprobs (its default
+    ``logprobs_mode``), so each reported logprob is the model's own for that token."""
+    from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
+
+    class ForcedTokens(AdapterLogitsProcessor):
+        def is_argmax_invariant(self) -> bool:
+            return False
+
+        def new_req_logits_processor(self, params):
+            tokens = (params.extra_args or {}).get("forced_tokens")
+            if not tokens:
+                return None
+
+            def force(output_ids: list[int], logits):
+                step = len(output_ids)
+                if step < len(tokens):
+                    logits[:] = float("-inf")
+                    logits[tokens[step]] = 0.0
+                return logits
+            return force
+
+    return ForcedTokens
+
+
+class _ConnectorClock:
+    """Seconds the model runner spends inside the connector's worker-side calls (loads:
+    ``start_load_kv``, ``wait_for_layer_load``; saves: ``save_kv_layer``,
+    ``wait_for_save``), whatever the connector class: what a forward pass pays for it."""
+
+    CALLS = {"start_load_kv": "load_s", "wait_for_layer_load": "load_s",
+             "save_kv_layer": "save_s", "wait_for_save": "save_s"}
+
+    def __init__(self, transfer: dict | None) -> None:
+        self.seconds = {"load_s": 0.0, "save_s": 0.0}
+        if transfer is None:
+            return
+        from vllm.config import KVTransferConfig
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+        cls = KVConnectorFactory.get_connector_class(KVTransferConfig(**transfer))
+        for name, bucket in self.CALLS.items():
+            setattr(cls, name, self._timed(getattr(cls, name), bucket))
+
+    def _timed(self, method, bucket: str):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds[bucket] += time.perf_counter() - start
+        return timed
+
+    def read(self) -> dict[str, float]:
+        """The seconds since the last read."""
+        spent, self.seconds = self.seconds, {"load_s": 0.0, "save_s": 0.0}
+        return spent
+
+
+# Phases run before (cold) and after (warm-zeroed) the prompt-by-prompt ones.
+FIRST_PHASES, LAST_PHASES = ("cold",), ("warm-zeroed",)
+
+
+def _schedule(phases: tuple[str, ...], prompts: int, batch: bool) -> list[tuple[str, list[int]]]:
+    """(phase, prompt indices) per generate call, in order. "cold" sees every prompt
+    first and "warm-zeroed" comes last; the others run prompt by prompt, so a "floor"
+    right after a warm run of the same prompt really is vLLM's own prefix hit (emptying
+    vLLM's prefix cache for one prompt's warm run empties it for all)."""
+    every = list(range(prompts))
+    firsts = [p for p in phases if p in FIRST_PHASES]
+    middle = [p for p in phases if p not in FIRST_PHASES + LAST_PHASES]
+    lasts = [p for p in phases if p in LAST_PHASES]
+    if batch:
+        return [(phase, every) for phase in firsts + middle + lasts]
+    return ([(phase, [i]) for phase in firsts for i in every]
+            + [(phase, [i]) for i in every for phase in middle]
+            + [(phase, [i]) for phase in lasts for i in every])
+
+
+def _child(job_path: str, out_path: str) -> None:
+    """The engine process: build the LLM, run the phases, write JSON."""
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    from kvlab.connector.stores import drop_memory_tiers, zero_memory_tiers
+
+    job = json.loads(Path(job_path).read_text())
+    spec = EngineSpec(**{**job["spec"], "stop": tuple(job["spec"]["stop"])})
+    forced = job.get("forced") or [None] * len(job["prompts"])
+    salts = job.get("salts") or [None] * len(job["prompts"])
+    loras = [_lora_request(spec, name) for name in job.get("loras") or [None] * len(job["prompts"])]
+    if "floor" in spec.phases and not spec.prefix_caching:
+        raise ValueError("the floor phase needs prefix caching on")
+    transfer = kv_transfer_config(spec.connector, spec.extra, spec.workdir)
+    if spec.connector == "lmcache":
+        from kvlab.runtime.vllm_cpu import fix_vllm_cpu_kernel_scan
+
+        fix_vllm_cpu_kernel_scan()
+    clock = _ConnectorClock(transfer)
+    llm = LLM(model=spec.model, dtype=spec.dtype, block_size=spec.block_size, enforce_eager=True,
+              enable_prefix_caching=spec.prefix_caching, max_model_len=spec.max_model_len, seed=0,
+              max_num_batched_tokens=spec.max_num_batched_tokens, **_lora_options(spec),
+              kv_transfer_config=KVTransferConfig(**transfer) if transfer else None,
+              logits_processors=[_forced_tokens_processor()] if any(forced) else None)
+
+    def params(tokens: list[int] | None) -> SamplingParams:
+        if tokens:
+            return SamplingParams(max_tokens=len(tokens), temperature=0.0, logprobs=0, ignore_eos=True,
+                                  extra_args={"forced_tokens": tokens})
+        return SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, logprobs=1, stop=list(spec.stop) or None)
+
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], params(None), use_tqdm=False)  # warm-up, no shared prefix
+    clock.read()
+    result: dict[str, Any] = {"phases": {}}
+    for phase, indices in _schedule(spec.phases, len(job["prompts"]), spec.batch):
+        if phase == "warm-disk":
+            drop_memory_tiers()
+        if phase == "warm-zeroed":
+            zero_memory_tiers()
+        if phase.startswith("warm") and spec.prefix_caching:
+            llm.reset_prefix_cache()  # vLLM's own copy goes; the connector's store stays
+        start = time.perf_counter()
+        requests = [{"prompt_token_ids": job["prompts"][i], **({"cache_salt": salts[i]} if salts[i] else {})}
+                    for i in indices]
+        outputs = llm.generate(requests, [params(forced[i]) for i in indices], use_tqdm=False,
+                               lora_request=[loras[i] for i in indices] if spec.lora_adapters else None)
+        seconds = time.perf_counter() - start
+        spent = clock.read()
+        for index, output in zip(indices, outputs):
+            completion = output.outputs[0]
+            result["phases"].setdefault(phase, []).append({
+                "prompt": index, "seconds": seconds, "prompt_tokens": len(job["prompts"][index]),
+                "cached_tokens": output.num_cached_tokens or 0, **spent,
+                "token_ids": list(completion.token_ids),
+                "logprobs": [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)],
+            })
+    if spec.connector == "kvlab":
+        from kvlab.connector.stores import all_stats
+
+        result["connector"] = all_stats()
+    Path(out_path).write_text(json.dumps(result))
+
+
+def _lora_options(spec: EngineSpec) -> dict[str, Any]:
+    """LLM(...) options for the spec's adapters: LoRA on, rank large enough for each."""
+    if not spec.lora_adapters:
+        return {}
+    ranks = [json.loads((Path(path) / "adapter_config.json").read_text())["r"] for path in spec.lora_adapters.values()]
+    return {"enable_lora": True, "max_lora_rank": max(8, *ranks), "max_loras": len(ranks)}
+
+
+def _lora_request(spec: EngineSpec, name: str | None) -> Any:
+    if name is None:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(name, list(spec.lora_adapters).index(name) + 1, spec.lora_adapters[name])
+
+
+def summarize(name: str, result: dict, phase: str, **labels: Any) -> dict:
+    """One table row: median, min and max first-token time of a phase over its prompts
+    (and repeats)."""
+    rows = result["phases"][phase]
+    times = [r["seconds"] for r in rows]
+    return {
+        "scenario": name, "phase": phase, **labels, "samples": len(rows),
+        "prompt_tokens": statistics.median(r["prompt_tokens"] for r in rows),
+        "median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
+        "cached_tokens": statistics.median(r["cached_tokens"] for r in rows),
+    }
+
+
+def same_outputs(a: dict, b: dict, phase_a: str = "cold", phase_b: str = "warm") -> dict:
+    """Do two runs agree, prompt by prompt: how many prompts gave identical tokens every
+    time, and the largest chosen-token logprob difference."""
+    reference = {row["prompt"]: row for row in a["phases"][phase_a]}
+    same: dict[int, bool] = {}
+    diff = 0.0
+    for row in b["phases"][phase_b]:
+        ref = reference[row["prompt"]]
+        same[row["prompt"]] = same.get(row["prompt"], True) and row["token_ids"] == ref["token_ids"]
+        diff = max([diff] + [abs(p - q) for p, q in zip(row["logprobs"], ref["logprobs"])])
+    return {"identical": sum(same.values()), "prompts": len(same), "max_logprob_diff": diff}
+
+
+if __name__ == "__main__":
+    _child(*sys.argv[1:3])

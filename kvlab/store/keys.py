@@ -1,0 +1,66 @@
+"""Keys: chained block hashes as vLLM's prefix caching chains them, the signature a chunk
+must match to be loaded, and a cheap fingerprint of a model's (or adapter's) files."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import struct
+from pathlib import Path
+from typing import Sequence
+
+from kvlab.cache.allocation import KVCache
+from kvlab.cache.geometry import dtype_name
+
+# Every key is a 16-byte blake2b digest in hex; nothing else names a file.
+_KEY = re.compile(r"^[0-9a-f]{32}$")
+
+
+def valid_key(key: object) -> bool:
+    return isinstance(key, str) and _KEY.match(key) is not None
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, seed: str,
+                 extra_keys: Sequence[bytes | None] | None = None) -> list[str]:
+    """Chained hashes of the full blocks of ``token_ids``, as vLLM's prefix caching
+    chains them: block i's hash covers every token up to the end of block i, and
+    ``extra_keys[i]`` (what else decides block i's KV: a LoRA adapter, multimodal inputs,
+    a cache salt) when given."""
+    out, parent = [], hashlib.blake2b(seed.encode(), digest_size=16).digest()
+    for index, start in enumerate(range(0, len(token_ids) - block_size + 1, block_size)):
+        block = struct.pack(f"<{block_size}q", *token_ids[start:start + block_size])
+        extra = extra_keys[index] if extra_keys is not None and index < len(extra_keys) else None
+        if extra:
+            block += b"|extra|" + extra
+        parent = hashlib.blake2b(parent + block, digest_size=16).digest()
+        out.append(parent.hex())
+    return out
+
+
+def signature(cache: KVCache) -> str:
+    """What a chunk must match to be loaded into ``cache``: model geometry, dtype, layout."""
+    g = cache.geometry
+    return (f"{g.name}|L{g.num_layers}|H{g.num_kv_heads}|D{g.head_size}|{dtype_name(g.dtype)}"
+            f"|BS{g.block_size}|{cache.layout.name}")
+
+
+def folder_fingerprint(folder: str | Path, sample_bytes: int = 1 << 16) -> str:
+    """A digest that changes when a model (or LoRA adapter) folder's weights change at the
+    same path: every file's name, size and modification time, plus the first and last
+    ``sample_bytes`` of each weight file (a safetensors header and some tensor data).
+    Costs a few stat calls and reads, not a pass over the weights. "" for a non-folder."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return ""
+    digest = hashlib.blake2b(digest_size=16)
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith(".")):
+        stat = path.stat()
+        digest.update(f"{path.relative_to(folder)}|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
+        if path.suffix in (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".json"):
+            with open(path, "rb") as f:
+                digest.update(f.read(sample_bytes))
+                if stat.st_size > 2 * sample_bytes:
+                    f.seek(-sample_bytes, os.SEEK_END)
+                    digest.update(f.read(sample_bytes))
+    return digest.hexdigest()

@@ -1,0 +1,166 @@
+"""Where KVLabConnector keeps offloaded KV: :class:`KVStore` composes the tiers (memory, then
+disk). A chunk that fails its checksum, whose file header does not parse, or that was
+written for another model or layout is a miss (and is dropped), never loaded. A full
+store evicts least recently *used* chunks, a prompt's tail before its head; a tier that
+fails (a full or read-only disk) is logged once, counted and paused; no error of a tier
+ever reaches a request. docs/reliability.md says what the store promises."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from kvlab.store.chunk import Chunk
+from kvlab.store.keys import valid_key
+from kvlab.store.tiers import DiskTier, MemoryTier, StoreStats
+
+
+@dataclass
+class KVStore:
+    """Chunks by key in host memory (LRU within ``capacity_bytes``), written through to
+    ``disk_path`` when given (LRU by last use within ``disk_capacity_bytes``).
+
+    ``verify`` is "disk" (check the CRC of every chunk read from disk; trust chunks this
+    process sealed in memory) or "always" (also at every memory hit, ~4 ms per 46 MB).
+    """
+
+    capacity_bytes: int = 2 << 30
+    disk_path: str | Path | None = None
+    disk_capacity_bytes: int = 16 << 30
+    verify: str = "disk"
+    stats: StoreStats = field(default_factory=StoreStats)
+
+    def __post_init__(self) -> None:
+        for name in ("capacity_bytes", "disk_capacity_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive number of bytes, got {value!r}")
+        if self.verify not in ("always", "disk"):
+            raise ValueError(f"verify must be 'always' or 'disk', got {self.verify!r}")
+        self._lock = threading.RLock()
+        self.memory = MemoryTier(self.capacity_bytes, self.stats)
+        self.disk: DiskTier | None = None
+        if self.disk_path is not None:
+            self.disk_path = Path(self.disk_path)
+            self.disk = DiskTier(self.disk_path, self.disk_capacity_bytes, self.stats)
+
+    @property
+    def bytes(self) -> int:
+        """Bytes held in memory."""
+        return self.memory.bytes
+
+    # ---- lookups -------------------------------------------------------------------
+    def locate(self, block_key: str) -> tuple[str, int] | None:
+        """(chunk key, position in the chunk) of a stored block, memory or disk."""
+        with self._lock:
+            found = self.memory.locate(block_key)
+            if found is None and self.disk is not None:
+                found = self.disk.locate(block_key)
+            return found
+
+    def get(self, chunk_key: str, expect: str | None = None) -> Chunk | None:
+        """The chunk, checked (checksum and, when given, signature); None on a miss.
+        A chunk found only on disk is read, checked and kept in memory if it fits."""
+        with self._lock:
+            chunk = self.memory.get(chunk_key)
+            if chunk is not None:
+                if self.verify == "always" and not chunk.intact():
+                    self.stats.corrupt += 1
+                    self.discard(chunk_key)
+                    return None
+            elif self.disk is not None and valid_key(chunk_key):
+                chunk = self.disk.get(chunk_key)  # its header names it: a swapped file is a miss
+                if chunk is None:
+                    return None
+                if chunk.nbytes <= self.memory.capacity_bytes:
+                    self.memory.put(chunk)
+            else:
+                return None
+            if expect is not None and chunk.signature != expect:
+                self.stats.mismatched += 1
+                return None
+            return chunk
+
+    def matched_blocks(self, block_keys: Sequence[str], expect: str | None = None) -> list[tuple[Chunk, int]]:
+        """The leading run of ``block_keys`` the store can deliver, as (chunk, position)
+        per block; every chunk it touches is checked once. Holding the chunks keeps
+        their bytes alive until they are loaded, even if the store evicts them. The
+        chunks are marked used from the last to the first, so a prompt's head outlives
+        its tail, as vLLM's own prefix cache frees blocks."""
+        out: list[tuple[Chunk, int]] = []
+        checked: dict[str, Chunk | None] = {}
+        with self._lock:
+            for key in block_keys:
+                found = self.locate(key)
+                if found is None:
+                    break
+                chunk_key, position = found
+                if chunk_key not in checked:
+                    checked[chunk_key] = self.get(chunk_key, expect)
+                chunk = checked[chunk_key]
+                if chunk is None or position >= len(chunk.block_keys) or chunk.block_keys[position] != key:
+                    break
+                out.append((chunk, position))
+            self._mark_used([c for c in dict.fromkeys(c.key for c, _ in out)][::-1])
+        return out
+
+    def holds(self, chunk_key: str) -> bool:
+        """Is this chunk here and trusted (in memory, or a file this process checked)?
+        A file only indexed, never read, may be damaged: saving over it repairs it."""
+        with self._lock:
+            return chunk_key in self.memory or (self.disk is not None and self.disk.verified(chunk_key))
+
+    # ---- updates -------------------------------------------------------------------
+    def put(self, chunk: Chunk) -> bool:
+        """Keep a sealed chunk in memory (evicting least recently used chunks) and write
+        it through to disk. Returns False when no tier took it; never raises for a tier's
+        fault: a full or failing store never fails a request."""
+        with self._lock:
+            kept = self.memory.put(chunk)
+            written = self.disk.put(chunk) if self.disk is not None else False
+            self.stats.stored += kept or written
+            return kept or written
+
+    def discard(self, chunk_key: str, disk: bool = True) -> None:
+        """Forget a chunk (and its file, unless ``disk`` is False)."""
+        with self._lock:
+            self.memory.discard(chunk_key)
+            if disk and self.disk is not None and valid_key(chunk_key):
+                self.disk.discard(chunk_key)
+
+    def clear(self) -> None:
+        """Empty the memory tier (the disk tier stays): the next loads come from disk."""
+        with self._lock:
+            for chunk in self.memory.chunks():
+                self.memory.discard(chunk.key)
+
+    def zero_memory(self) -> None:
+        """Zero the KV of every chunk in memory, checksums left as they were: a sensitivity
+        control for accuracy checks. The memory tier is trusted by default
+        (``verify="disk"``), so the next hits load zeros, and a check that still passes
+        after this cannot be looking at the reloaded KV."""
+        with self._lock, torch.inference_mode():  # an engine makes its chunks in inference mode
+            for chunk in self.memory.chunks():
+                for tensor in chunk.buffer.storage:
+                    tensor.zero_()
+
+    def memory_chunks(self) -> list[Chunk]:
+        """The chunks held in memory (least recently used first)."""
+        with self._lock:
+            return self.memory.chunks()
+
+    def __len__(self) -> int:
+        return len(self.memory)
+
+    def __contains__(self, chunk_key: str) -> bool:
+        return chunk_key in self.memory
+
+    def _mark_used(self, chunk_keys: Sequence[str]) -> None:
+        for key in chunk_keys:
+            self.memory.get(key)
+            if self.disk is not None:
+                self.disk.touch(key)

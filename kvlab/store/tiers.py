@@ -1,0 +1,400 @@
+"""The store's tiers behind one protocol: host memory within a byte budget, and a disk
+folder that outlives the process and may be shared by several processes at once. Every
+fault of a tier is absorbed, counted in :class:`StoreStats` and logged once."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import re
+import socket
+import struct
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from kvlab.store.chunk import _MAGIC, _SUFFIX, Chunk, _chunk_from, _geometry_fields, _parse_header
+from kvlab.store.keys import valid_key
+
+logger = logging.getLogger("kvlab.store")
+
+# A writer's private file: <key>.<host>-<pid>.tmp (older kvlab wrote <key>.tmp<pid>).
+_TMP = re.compile(r"^[0-9a-f]{32}\.(?:(?P<host>[A-Za-z0-9_-]+)-(?P<pid>\d+)\.tmp|tmp(?P<old_pid>\d+))$")
+
+# Seconds a tier that failed to write waits before it tries again (doubling up to the max).
+RETRY_FIRST_S, RETRY_MAX_S = 1.0, 300.0
+
+# A writer's leftover from another host (shared folder) is removed after this many seconds.
+STALE_TMP_S = 3600.0
+
+
+@dataclass
+class StoreStats:
+    """What a store did; every fault it absorbed is counted here."""
+
+    stored: int = 0
+    dropped: int = 0  # larger than the memory tier
+    evicted: int = 0
+    corrupt: int = 0  # checksum, payload or header failed: a miss
+    mismatched: int = 0  # another model, dtype or layout: a miss
+    disk_reads: int = 0
+    bad_headers: int = 0  # files skipped because their header failed the schema
+    read_errors: int = 0  # a file that could not be read (I/O error): a miss
+    write_errors: int = 0  # a chunk the disk tier could not write (full, read-only, ...)
+    delete_errors: int = 0  # a file the store could not remove (read-only folder)
+    disk_skipped: int = 0  # chunks not written: larger than the disk budget, or the tier paused
+    stale_tmp_removed: int = 0  # partial files of writers that died
+
+
+class Tier(Protocol):
+    """One place chunks live. ``locate`` answers from an index; ``get`` may read."""
+
+    def locate(self, block_key: str) -> tuple[str, int] | None: ...
+    def get(self, chunk_key: str) -> Chunk | None: ...
+    def put(self, chunk: Chunk) -> bool: ...
+    def discard(self, chunk_key: str) -> None: ...
+
+
+class MemoryTier:
+    """Chunks in host memory, least recently used evicted first within ``capacity_bytes``."""
+
+    def __init__(self, capacity_bytes: int, stats: StoreStats) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.stats = stats
+        self.bytes = 0
+        self._chunks: OrderedDict[str, Chunk] = OrderedDict()
+        self._blocks: dict[str, tuple[str, int]] = {}  # block key -> (chunk key, position)
+
+    def locate(self, block_key: str) -> tuple[str, int] | None:
+        return self._blocks.get(block_key)
+
+    def get(self, chunk_key: str) -> Chunk | None:
+        chunk = self._chunks.get(chunk_key)
+        if chunk is not None:
+            self._chunks.move_to_end(chunk_key)
+        return chunk
+
+    def put(self, chunk: Chunk) -> bool:
+        """Keep ``chunk`` (replacing one with its key), evicting to make room; False when
+        it cannot fit at all."""
+        self.discard(chunk.key)
+        if chunk.nbytes > self.capacity_bytes:
+            self.stats.dropped += 1
+            return False
+        while self.bytes + chunk.nbytes > self.capacity_bytes:
+            self.discard(next(iter(self._chunks)))
+            self.stats.evicted += 1
+        self._chunks[chunk.key] = chunk
+        self.bytes += chunk.nbytes
+        for position, key in enumerate(chunk.block_keys):
+            self._blocks[key] = (chunk.key, position)
+        return True
+
+    def discard(self, chunk_key: str) -> None:
+        chunk = self._chunks.pop(chunk_key, None)
+        if chunk is None:
+            return
+        self.bytes -= chunk.nbytes
+        for key in chunk.block_keys:
+            if self._blocks.get(key, (None,))[0] == chunk_key:
+                del self._blocks[key]
+
+    def chunks(self) -> list[Chunk]:
+        return list(self._chunks.values())
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+    def __contains__(self, chunk_key: str) -> bool:
+        return chunk_key in self._chunks
+
+
+class DiskTier:
+    """Chunk files in a folder, least recently used first out within ``capacity_bytes``
+    (a file's modification time is its last use: hits touch it). Safe to share between
+    processes: writes are atomic (a private temporary file renamed into place), a file
+    another process removed is a plain miss, files another process adds are found when a
+    lookup misses and the folder changed. Every OSError is absorbed: counted, logged once,
+    and after a failed write the tier pauses writing with a doubling back-off (a full disk
+    first evicts to make room and tries once more)."""
+
+    def __init__(self, path: Path, capacity_bytes: int, stats: StoreStats) -> None:
+        self.path = path
+        self.capacity_bytes = capacity_bytes
+        self.stats = stats
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"the store's disk_path {path} is a file, not a folder")
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ValueError(f"the store's disk_path {path} cannot be created: {error}") from None
+        self._index: dict[str, tuple[str, int]] = {}  # block key -> (chunk key, position)
+        self._chunk_blocks: dict[str, list[str]] = {}  # chunk key -> its block keys
+        self._seen: dict[str, tuple[int, int]] = {}  # file name -> (size, mtime) already indexed or rejected
+        self._verified: set[str] = set()  # chunk files this process read and checked, or wrote
+        self._scanned_mtime = -1
+        self._paused_until = 0.0
+        self._retry_s = RETRY_FIRST_S
+        self._logged: set[str] = set()
+        self._host = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:64] or "host"
+        self._remove_stale_tmp()
+        self._scan()
+
+    # ---- lookups -------------------------------------------------------------------
+    def locate(self, block_key: str) -> tuple[str, int] | None:
+        found = self._index.get(block_key)
+        if found is None and self._folder_changed():
+            self._scan()
+            found = self._index.get(block_key)
+        return found
+
+    def get(self, chunk_key: str) -> Chunk | None:
+        """The chunk read from its file and checked; None (a miss) for anything else."""
+        path = self._path(chunk_key)
+        self.stats.disk_reads += 1
+        try:
+            with open(path, "rb") as f:
+                header = _parse_header(f, path)
+                flat = torch.empty(header.payload_bytes, dtype=torch.uint8)
+                f.seek(header.payload_start)
+                if f.readinto(memoryview(flat.numpy())) != header.payload_bytes or f.read(1):
+                    raise ValueError(f"{path}: payload size does not match its header")
+        except FileNotFoundError:  # another process evicted it: a plain miss
+            self._forget(chunk_key)
+            return None
+        except ValueError as error:
+            self._reject(path, "corrupt", error)
+            return None
+        except OSError as error:
+            self.stats.read_errors += 1
+            self._log_once("read", f"KVLabConnector store: cannot read {path} ({error}); treated as a miss")
+            self._forget(chunk_key)
+            return None
+        chunk = _chunk_from(header, flat)
+        if not chunk.intact():
+            self._reject(path, "corrupt", ValueError("checksum does not match"))
+            return None
+        self._verified.add(chunk_key)
+        return chunk
+
+    def verified(self, chunk_key: str) -> bool:
+        """Did this process read (and check) or write this chunk's file, still indexed?"""
+        return chunk_key in self._verified and self._index.get(chunk_key, (None,))[0] == chunk_key
+
+    def touch(self, chunk_key: str) -> None:
+        """Mark a chunk used now, so that eviction follows use, not write time."""
+        try:
+            os.utime(self._path(chunk_key))
+        except OSError:
+            pass  # gone or read-only: eviction order is only a preference
+
+    # ---- updates -------------------------------------------------------------------
+    def put(self, chunk: Chunk) -> bool:
+        """Write ``chunk`` through; False (counted, never raised) when it is not written."""
+        if chunk.nbytes > self.capacity_bytes or time.monotonic() < self._paused_until:
+            self.stats.disk_skipped += 1
+            return False
+        try:
+            self._trim(chunk.nbytes)
+            self._write(chunk)
+        except OSError as error:
+            if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+                self._pause(error)
+                return False
+            if not self._shrink_to_fit(chunk):
+                return False
+        self._retry_s = RETRY_FIRST_S
+        self._paused_until = 0.0
+        return True
+
+    def discard(self, chunk_key: str) -> None:
+        self._forget(chunk_key)
+        self._unlink(self._path(chunk_key))
+
+    # ---- internals -----------------------------------------------------------------
+    def _path(self, chunk_key: str) -> Path:
+        if not valid_key(chunk_key):
+            raise ValueError(f"not a chunk key (32 hex digits): {chunk_key!r}")
+        return self.path / f"{chunk_key}{_SUFFIX}"
+
+    def _write(self, chunk: Chunk) -> None:
+        buffer = chunk.buffer
+        header = json.dumps({
+            "block_keys": chunk.block_keys, "signature": chunk.signature, "crc": chunk.crc,
+            "layout": buffer.layout.name, "num_blocks": buffer.num_blocks,
+            "geometry": _geometry_fields(buffer.geometry),
+            "tensors": [list(t.shape) for t in buffer.storage],
+        }).encode()
+        path = self._path(chunk.key)
+        tmp = self.path / f"{chunk.key}.{self._host}-{os.getpid()}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(_MAGIC + struct.pack("<Q", len(header)) + header)
+                for t in buffer.storage:
+                    f.write(t.contiguous().view(torch.uint8).reshape(-1).numpy().data)
+            tmp.replace(path)
+        except BaseException:
+            self._unlink(tmp, count=False)
+            raise
+        self._add(chunk.block_keys)
+        self._verified.add(chunk.key)
+        try:
+            stat = path.stat()
+            self._seen[path.name] = (stat.st_size, stat.st_ino)
+        except OSError:
+            pass
+
+    def _shrink_to_fit(self, chunk: Chunk) -> bool:
+        """The filesystem is full before the budget is: make the budget what it holds,
+        evict for the chunk and try once more."""
+        used = sum(size for _, size, _ in self._files())
+        self.capacity_bytes = max(used, chunk.nbytes)
+        self._log_once("full", f"KVLabConnector store: {self.path} is full at {used} bytes; its budget is now "
+                               "that, least recently used chunks make room")
+        try:
+            self._trim(chunk.nbytes)
+            self._write(chunk)
+        except OSError as error:
+            self._pause(error)
+            return False
+        return True
+
+    def _pause(self, error: OSError) -> None:
+        self.stats.write_errors += 1
+        self._paused_until = time.monotonic() + self._retry_s
+        self._log_once(f"write-{error.errno}", f"KVLabConnector store: cannot write to {self.path} ({error}); "
+                       f"the disk tier pauses writing (retried after {self._retry_s:g} s, then less often); "
+                       "requests go on")
+        self._retry_s = min(2 * self._retry_s, RETRY_MAX_S)
+
+    def _files(self) -> list[tuple[Path, int, float]]:
+        """Every chunk and temporary file with its size and last use, oldest first."""
+        out = []
+        try:
+            entries = list(os.scandir(self.path))
+        except OSError:
+            return out
+        for entry in entries:
+            if entry.name.endswith(_SUFFIX) or _TMP.match(entry.name):
+                try:
+                    stat = entry.stat()
+                except OSError:
+                    continue  # removed meanwhile
+                out.append((Path(entry.path), stat.st_size, stat.st_mtime))
+        return sorted(out, key=lambda f: f[2])
+
+    def _trim(self, incoming: int) -> None:
+        files = self._files()
+        total = sum(size for _, size, _ in files)
+        for path, size, _ in files:
+            if total + incoming <= self.capacity_bytes:
+                return
+            if path.name.endswith(_SUFFIX):
+                self._forget(path.name.removesuffix(_SUFFIX))
+                if self._unlink(path):
+                    self.stats.evicted += 1
+                    total -= size
+
+    def _remove_stale_tmp(self) -> None:
+        """Partial files of writers that died (this host: the process is gone; another
+        host sharing the folder: older than STALE_TMP_S)."""
+        now = time.time()
+        for path, _, mtime in self._files():
+            match = _TMP.match(path.name)
+            if match is None:
+                continue
+            same_host = match["host"] in (self._host, None)
+            pid = int(match["pid"] or match["old_pid"])
+            if (same_host and not _alive(pid)) or (not same_host and now - mtime > STALE_TMP_S):
+                if self._unlink(path):
+                    self.stats.stale_tmp_removed += 1
+
+    def _folder_changed(self) -> bool:
+        try:
+            return self.path.stat().st_mtime_ns != self._scanned_mtime
+        except OSError:
+            return False
+
+    def _scan(self) -> None:
+        """Index the headers of chunk files not seen yet (a bad one is skipped and counted)."""
+        try:
+            self._scanned_mtime = self.path.stat().st_mtime_ns
+            entries = [e for e in os.scandir(self.path) if e.name.endswith(_SUFFIX)]
+        except OSError:
+            return
+        for entry in entries:
+            try:
+                stat = entry.stat()
+            except OSError:
+                continue
+            if self._seen.get(entry.name) == (stat.st_size, stat.st_ino):
+                continue
+            self._seen[entry.name] = (stat.st_size, stat.st_ino)
+            path = Path(entry.path)
+            try:
+                with open(path, "rb") as f:
+                    header = _parse_header(f, path)
+            except ValueError as error:
+                self.stats.bad_headers += 1
+                self._log_once("header", f"KVLabConnector store: skipping {path} ({error})")
+                continue
+            except OSError:
+                continue  # removed meanwhile, or unreadable: not indexed
+            self._add(header.block_keys)
+
+    def _add(self, block_keys: list[str]) -> None:
+        chunk_key = block_keys[-1]
+        self._forget(chunk_key)
+        self._chunk_blocks[chunk_key] = block_keys
+        for position, key in enumerate(block_keys):
+            self._index[key] = (chunk_key, position)
+
+    def _forget(self, chunk_key: str) -> None:
+        self._verified.discard(chunk_key)
+        for key in self._chunk_blocks.pop(chunk_key, ()):
+            if self._index.get(key, (None,))[0] == chunk_key:
+                del self._index[key]
+
+    def _reject(self, path: Path, why: str, error: Exception) -> None:
+        """A damaged file: counted, forgotten, removed when the folder allows it."""
+        self.stats.corrupt += 1
+        self._log_once(why, f"KVLabConnector store: dropping {path} ({error}); recomputing instead")
+        self._forget(path.name.removesuffix(_SUFFIX))
+        try:
+            stat = path.stat()
+            self._seen[path.name] = (stat.st_size, stat.st_ino)  # not indexed again unless rewritten
+        except OSError:
+            pass
+        self._unlink(path)
+
+    def _unlink(self, path: Path, count: bool = True) -> bool:
+        try:
+            path.unlink(missing_ok=True)
+            self._seen.pop(path.name, None)
+            return True
+        except OSError as error:
+            if count:
+                self.stats.delete_errors += 1
+                self._log_once(f"unlink-{error.errno}", f"KVLabConnector store: cannot remove {path} ({error})")
+            return False
+
+    def _log_once(self, kind: str, message: str) -> None:
+        if kind not in self._logged:
+            self._logged.add(kind)
+            logger.warning(message)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, another user's
+    return True

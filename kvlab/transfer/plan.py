@@ -1,0 +1,123 @@
+"""The copy plan: the byte runs a transfer copies, merged where both sides are contiguous.
+Every copy method moves these runs; they differ only in how many operations they issue."""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from kvlab.cache.allocation import KVCache, allocations
+from kvlab.cache.geometry import ModelGeometry
+from kvlab.cache.layouts import Layout, get_layout
+from kvlab.cache.segments import merge_runs
+
+
+@dataclass(frozen=True)
+class PartView:
+    """Where one (layer, part) of a cache lives: a [block, token, head, element] grid of
+    element offsets into one backing tensor; the element axis is always contiguous."""
+
+    tensor: int
+    offset: int
+    strides: tuple[int, int, int]  # block, token, head
+    size: int  # elements of this part per head
+
+
+def part_views(layout: str | Layout, geometry: ModelGeometry, num_blocks: int) -> list[list[PartView]]:
+    """``[layer][part]`` -> PartView for every layer and part (K/V, or MLA latent/rope)."""
+    layout = get_layout(layout)
+    packed_mla = geometry.is_mla and layout.packs_parts and not layout.is_tuple
+    out: list[list[PartView | None]] = [[None] * len(geometry.parts) for _ in range(geometry.num_layers)]
+    for index, alloc in enumerate(allocations(layout, geometry, num_blocks)):
+        stride = dict(zip(alloc.axes, alloc.strides))
+        layers = [alloc.index["L"]] if "L" in alloc.index else range(geometry.num_layers)
+        parts = [alloc.index["S"]] if "S" in alloc.index else range(len(geometry.parts))
+        for layer in layers:
+            for part in parts:
+                offset = layer * stride.get("L", 0)
+                if packed_mla:  # latent and rope side by side in one 576-wide vector
+                    offset += sum(geometry.parts[:part])
+                else:
+                    offset += part * stride.get("S", 0) if "S" in stride else 0
+                out[layer][part] = PartView(
+                    index, offset, (stride["B"], stride["N"], stride["H"]), geometry.parts[part]
+                )
+    return out  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class CopyPlan:
+    """The runs a transfer copies, merged where both sides are contiguous, in bytes.
+
+    Columns are int64 tensors of equal length: source tensor index and byte offset,
+    destination tensor index and byte offset, run length.
+    """
+
+    src_tensor: torch.Tensor
+    src_offset: torch.Tensor
+    dst_tensor: torch.Tensor
+    dst_offset: torch.Tensor
+    length: torch.Tensor
+
+    @property
+    def segments(self) -> int:
+        return int(self.length.numel())
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.length.sum())
+
+    @functools.cached_property
+    def lists(self) -> list[list[int]]:
+        """The columns as Python lists (what a per-segment loop iterates)."""
+        return [c.tolist() for c in (self.src_tensor, self.src_offset, self.dst_tensor, self.dst_offset, self.length)]
+
+    def addresses(self, src: list[torch.Tensor], dst: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each run's raw source and destination address, given the backing tensors."""
+        src_base = torch.tensor([x.data_ptr() for x in src], dtype=torch.int64)
+        dst_base = torch.tensor([x.data_ptr() for x in dst], dtype=torch.int64)
+        return src_base[self.src_tensor] + self.src_offset, dst_base[self.dst_tensor] + self.dst_offset
+
+    @functools.cached_property
+    def unit(self) -> int:
+        """The largest byte count dividing every offset and length: the row of the
+        fused kernels."""
+        return math.gcd(*{int(x) for x in torch.cat([self.src_offset, self.dst_offset, self.length]).unique()} | {0})
+
+
+def copy_plan(
+    src: KVCache, src_blocks: Sequence[int], dst: KVCache, dst_blocks: Sequence[int], layers: Sequence[int] | None = None
+) -> CopyPlan:
+    """Byte runs that copy blocks ``src_blocks`` of ``src`` to ``dst_blocks`` of ``dst``."""
+    geometry = src.geometry
+    itemsize = geometry.itemsize
+    src_views = part_views(src.layout, geometry, src.num_blocks)
+    dst_views = part_views(dst.layout, geometry, dst.num_blocks)
+    sb = torch.as_tensor(list(src_blocks), dtype=torch.int64)
+    db = torch.as_tensor(list(dst_blocks), dtype=torch.int64)
+    tokens = torch.arange(geometry.block_size)
+    heads = torch.arange(geometry.num_kv_heads)
+    columns: list[list[torch.Tensor]] = [[], [], [], [], []]
+    for layer in range(geometry.num_layers) if layers is None else layers:
+        for s, d in zip(src_views[layer], dst_views[layer]):
+            grid = []
+            for view, blocks in ((s, sb), (d, db)):
+                b, n, h = view.strides
+                offsets = view.offset + blocks[:, None, None] * b + tokens[None, :, None] * n + heads[None, None, :] * h
+                grid.append(offsets.flatten() * itemsize)
+            count = grid[0].numel()
+            columns[0].append(torch.full((count,), s.tensor))
+            columns[1].append(grid[0])
+            columns[2].append(torch.full((count,), d.tensor))
+            columns[3].append(grid[1])
+            columns[4].append(torch.full((count,), s.size * itemsize))
+    if not columns[0] or not sb.numel():
+        empty = torch.zeros(0, dtype=torch.int64)
+        return CopyPlan(empty, empty, empty, empty, empty)
+    src_t, src_o, dst_t, dst_o, length = (torch.cat(c) for c in columns)
+    ((src_t, src_o), (dst_t, dst_o)), merged = merge_runs([(src_t, src_o), (dst_t, dst_o)], length)
+    return CopyPlan(src_t, src_o, dst_t, dst_o, merged)

@@ -1,0 +1,157 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvlab.cache import (
+    LAYOUTS,
+    ModelGeometry,
+    address_labels,
+    allocate,
+    allocate_chunk,
+    allocations,
+    axis_sizes,
+    compatible_layouts,
+    get_layout,
+    preset,
+)
+
+KV = ModelGeometry("kv", 3, 2, 8, dtype="float32", block_size=4)
+MLA = ModelGeometry.mla("mla", 3, 12, 4, dtype="float32", block_size=4)
+CASES = [(name, g) for g in (KV, MLA) for name in compatible_layouts(g)]
+
+
+def test_every_layout_holds_kv_or_mla():
+    assert {name for name, _ in CASES} == set(LAYOUTS)
+    assert {name for name, g in CASES if g.is_mla} >= {"BLHNC", "mla_v0.12", "ascend_mla_tuple", "KV_MLA_FMT"}
+
+
+def test_unknown_layout_lists_choices():
+    with pytest.raises(ValueError, match=r"unknown layout 'NHDL'; choose one of \['LBHNC'"):
+        get_layout("NHDL")
+    assert get_layout("blhnc").name == "BLHNC"
+
+
+@pytest.mark.parametrize("name", ["flash_attn_v0.12", "KV_2LTD", "ascend_kv_tuple", "CPU_LBHNC"])
+def test_mla_in_kv_split_layout_is_refused(name):
+    with pytest.raises(ValueError, match="keeps K and V apart.*MLA-capable layouts"):
+        allocate(name, MLA, 4)
+
+
+def test_mla_layout_for_kv_model_is_refused():
+    with pytest.raises(ValueError, match="is for MLA caches.*K/V layouts"):
+        allocate("mla_v0.12", KV, 4)
+
+
+@pytest.mark.parametrize("blocks", [0, -3, 2.5, True])
+def test_bad_block_count(blocks):
+    with pytest.raises(ValueError, match="num_blocks must be a positive integer"):
+        allocate("LBHNC", KV, blocks)
+
+
+def test_bad_fill():
+    with pytest.raises(ValueError, match="fill must be"):
+        allocate("LBHNC", KV, 2, fill="ones")
+
+
+@pytest.mark.parametrize("name, geometry", CASES, ids=[f"{n}-{g.name}" for n, g in CASES])
+def test_views_cover_storage_exactly_once(name, geometry):
+    cache = allocate(name, geometry, 5)
+    for view in cache.layers.values():
+        for tensor in view if isinstance(view, tuple) else (view,):
+            tensor.add_(1)
+    assert all(bool((t == 1).all()) for t in cache.storage)
+    assert cache.nbytes == 5 * geometry.block_bytes
+    assert len(cache.layers) == geometry.num_layers
+
+
+def _code(layer, block, part, token, head, geometry, num_blocks):
+    return (((layer * num_blocks + block) * 2 + part) * geometry.block_size + token) * geometry.num_kv_heads + head
+
+
+@pytest.mark.parametrize("name, geometry", CASES, ids=[f"{n}-{g.name}" for n, g in CASES])
+def test_views_put_each_head_vector_where_the_layout_says(name, geometry):
+    """Write (layer, block, part, token, head) through the views; read it back in address order."""
+    layout = get_layout(name)
+    if "".join(layout.view_shape) != layout.view_order:
+        pytest.skip("a reshaped page (CPU backend): its view axes are not the layout's axes")
+    num_blocks = 3
+    cache = allocate(layout, geometry, num_blocks)
+    for layer, view in enumerate(cache.layers.values()):
+        for part, tensor in enumerate(view if isinstance(view, tuple) else (view,)):
+            sizes = axis_sizes(layout, geometry, num_blocks, part if layout.is_tuple else None)
+            axes = layout.view_order
+            full = tensor.view([sizes[a] for a in axes])
+            grid = dict(zip(axes, torch.meshgrid(*[torch.arange(sizes[a]) for a in axes], indexing="ij")))
+            code = _code(layer, grid["B"], grid.get("S", part), grid["N"], grid["H"], geometry, num_blocks)
+            full.copy_(code.to(full.dtype))
+    labels = address_labels(layout, geometry, num_blocks)
+    firsts = [t.flatten()[:: alloc.sizes[-1]] for t, alloc in zip(cache.storage, allocations(layout, geometry, num_blocks))]
+    expected = _code(labels["layer"], labels["block"], labels["part"], labels["token"], labels["head"], geometry, num_blocks)
+    assert torch.equal(torch.cat(firsts).long(), expected)
+
+
+def test_cross_layer_tensor():
+    assert allocate("LBHNC", KV, 2).cross_layer_tensor is None
+    cache = allocate("flash_attn_v0.12_cross", KV, 2)
+    assert tuple(cache.cross_layer_tensor.shape) == (2, 3, 2, 4, 2, 8)
+    assert cache.cross_layer_tensor.is_contiguous()
+
+
+def test_chunk_sizes():
+    chunk = allocate_chunk("KV_2LTD", preset("smollm2-135m"), 256)
+    assert tuple(chunk.storage[0].shape) == (2, 30, 256, 3 * 64)
+    assert tuple(allocate_chunk("KV_MLA_FMT", preset("deepseek-v2-lite"), 64).storage[0].shape) == (1, 27, 64, 576)
+    with pytest.raises(ValueError, match="not a multiple of the block size 16"):
+        allocate_chunk("KV_2LTD", preset("smollm2-135m"), 100)
+    with pytest.raises(ValueError, match="is a paged cache layout; chunk formats are"):
+        allocate_chunk("BLHNC", preset("smollm2-135m"), 256)
+    with pytest.raises(ValueError, match="chunk_size must be a positive integer"):
+        allocate_chunk("KV_T2D", preset("smollm2-135m"), 0)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    layers=st.integers(1, 4), heads=st.integers(1, 3), head=st.sampled_from([2, 4, 8]),
+    block=st.sampled_from([1, 2, 4]), blocks=st.integers(1, 4),
+    dtype=st.sampled_from(["float32", "bfloat16", "float16", "float8_e4m3fn"]),
+)
+def test_arange_fill_is_each_tensors_address(layers, heads, head, block, blocks, dtype):
+    geometry = ModelGeometry("g", layers, heads, head, dtype="float32", block_size=block)
+    cache = allocate("BLHNC", geometry, blocks, fill="arange")
+    flat = cache.storage[0].flatten()
+    assert torch.equal(flat, torch.arange(flat.numel(), dtype=flat.dtype))
+    small = allocate("LBHNC", geometry.with_(dtype=dtype), blocks, device="meta")
+    assert small.storage[0].dtype == geometry.with_(dtype=dtype).dtype
+
+
+@pytest.mark.parametrize("name", ["CPU_LBHNC", "cpu_attn_v0.23"])
+def test_cpu_page_is_all_k_rows_then_all_v_rows(name):
+    """Split the view as vLLM's CPU backend does (view [B, H, 2*BS, D], chunk on dim 2)."""
+    num_blocks = 3
+    cache = allocate(name, KV, num_blocks)
+    for layer, view in enumerate(cache.layers.values()):
+        blocks, heads, tokens, _ = view.shape
+        for part, half in enumerate(view.view(blocks, heads, tokens * 2, -1).chunk(2, dim=2)):
+            b, h, n = torch.meshgrid(torch.arange(blocks), torch.arange(heads), torch.arange(tokens), indexing="ij")
+            half.copy_(_code(layer, b, part, n, h, KV, num_blocks)[..., None].float())
+    labels = address_labels(name, KV, num_blocks)
+    firsts = torch.cat([t.flatten()[:: KV.head_size] for t in cache.storage])
+    expected = _code(labels["layer"], labels["block"], labels["part"], labels["token"], labels["head"], KV, num_blocks)
+    assert torch.equal(firsts.long(), expected)
+
+
+def test_devices():
+    from kvlab.cache import resolve_device
+
+    assert allocate("BLHNC", KV, 2, device="auto").storage[0].device.type == resolve_device("auto").type
+    with pytest.raises(ValueError, match="unknown device 'tpu'; choose auto, cpu, cuda, npu"):
+        allocate("BLHNC", KV, 2, device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="'cuda:0' is not available on this machine"):
+            allocate("BLHNC", KV, 2, device="cuda:0")
+    from kvlab.cache import npu_available
+
+    if not npu_available():
+        with pytest.raises(ValueError, match="'npu' is not available on this machine \\(install torch_npu\\)"):
+            allocate("BLHNC", KV, 2, device="npu")

@@ -1,0 +1,340 @@
+"""KVLabConnector driven the way vLLM drives it, without starting an engine
+(kvlab.connector.driver): vLLM's own SchedulerOutput classes on the scheduler side, caches
+exactly as each vLLM generation hands them over on the worker side (vLLM's own allocator
+for >= 0.29, the 0.12-0.28 runner's cross-layer recipe, Ascend tuples, MLA). Saved blocks
+must come back bit for bit into other blocks. Engine runs are in test_connector_vllm.py."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from kvlab.cache import ModelGeometry, allocate, layer_name  # noqa: E402
+from kvlab.connector import ConnectorConfig, KVLabConnector, reset_stores  # noqa: E402
+from kvlab.connector.driver import connector_pair, prefill, register, stand_in_config, vllm_request  # noqa: E402
+
+NUM_BLOCKS = 24
+GQA = ModelGeometry("tiny-gqa", 4, 2, 64, torch.float32, 16)
+MLA = ModelGeometry.mla("tiny-mla", 3, 64, 32, dtype=torch.bfloat16, block_size=16)
+BS = GQA.block_size
+
+
+@pytest.fixture(autouse=True)
+def _fresh_stores():
+    reset_stores()
+    yield
+    reset_stores()
+
+
+def connectors(geometry: ModelGeometry, extra: dict | None = None) -> tuple[KVLabConnector, KVLabConnector]:
+    return connector_pair(geometry, NUM_BLOCKS, extra)
+
+
+def run_step(scheduler, worker, req_id, prompt, block_ids, layerwise) -> int:
+    return prefill(scheduler, worker, req_id, prompt, block_ids, layerwise)["hit_tokens"]
+
+
+def block_bytes(worker: KVLabConnector, block_ids: list[int]) -> list[torch.Tensor]:
+    """Each block's bytes per layer and part, read through the engine-side views."""
+    out = []
+    for view in worker.cache.layers.values():
+        for part in view if isinstance(view, tuple) else (view,):
+            axis = worker.cache.layout.view_order.index("B")
+            out.append(part.index_select(axis, torch.tensor(block_ids)).contiguous().view(torch.uint8))
+    return out
+
+
+VARIANTS = [
+    "vllm>=0.29 CPU_LBHNC", "vllm>=0.29 LBHNC", "vllm>=0.29 BLHNC", "vllm>=0.29 BHLNC",
+    "vllm0.12 flash NHD cross", "vllm0.12 flash HND cross", "vllm0.26 NHD cross",
+    "flash_attn_v0.12", "ascend_kv_tuple",
+]
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole-step", "layerwise"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_round_trip_bit_exact(variant: str, layerwise: bool) -> None:
+    geometry = GQA
+    scheduler, worker = connectors(geometry, {"layerwise": layerwise, "chunk_size": 3 * BS})
+    register(worker, variant, geometry, NUM_BLOCKS)
+    for tensor in worker.cache.storage:
+        tensor.view(torch.int32).random_()
+    prompt = [(7 * i) % 501 for i in range(7 * BS + 5)]  # 7 full blocks, 3 chunks (3 + 3 + 1)
+    first_blocks = [3, 11, 5, 20, 8, 14, 1, 17]
+    assert run_step(scheduler, worker, "a", prompt, first_blocks, layerwise) == 0
+    assert worker.stats.saved_blocks == 7 and len(worker.store) == 3
+    expected = block_bytes(worker, first_blocks[:7])
+    for tensor in worker.cache.storage:
+        tensor.zero_()
+
+    second_blocks = [9, 2, 23, 6, 15, 0, 12, 19]
+    assert run_step(scheduler, worker, "b", prompt, second_blocks, layerwise) == 7 * BS
+    loaded = block_bytes(worker, second_blocks[:7])
+    assert all(torch.equal(a, b) for a, b in zip(expected, loaded))
+    assert worker.stats.loaded_blocks == 7 and worker.stats.load_errors == 0
+    if worker.cache.layout.is_cross_layer and not layerwise:  # one contiguous run per block, each way
+        assert worker.stats.load_segments == 7 and worker.stats.save_segments == 7
+    else:
+        assert worker.stats.load_segments >= 7 * geometry.num_layers
+
+
+@pytest.mark.parametrize("layout, geometry", [("ascend_kv_tuple", GQA), ("ascend_mla_tuple", MLA)])
+def test_layerwise_through_ascend_style_hooks(layout: str, geometry: ModelGeometry) -> None:
+    """The connector driven by kvlab.hooks the way vllm-ascend's attention drives it: one
+    metadata object for all layers, each layer's KV a (k, v) or (nope, rope) tuple."""
+    scheduler, worker = connectors(geometry, {"layerwise": True})
+    worker.register_kv_caches(allocate(layout, geometry, NUM_BLOCKS).layers)
+    for tensor in worker.cache.storage:
+        tensor.view(torch.int16).random_()
+    prompt = list(range(4 * geometry.block_size + 1))
+    prefill(scheduler, worker, "a", prompt, [4, 9, 2, 7, 1], ascend_hooks=True)
+    assert worker.stats.saved_blocks == 4  # saved layer by layer from save_kv_layer
+    expected = block_bytes(worker, [4, 9, 2, 7])
+    for tensor in worker.cache.storage:
+        tensor.zero_()
+    assert prefill(scheduler, worker, "b", prompt, [10, 3, 8, 5, 6], ascend_hooks=True)["hit_tokens"] == 4 * geometry.block_size
+    assert all(torch.equal(a, b) for a, b in zip(expected, block_bytes(worker, [10, 3, 8, 5])))
+    assert worker.stats.save_segments == 4 * len(worker.cache.storage)  # a run per block per (layer, part) tensor
+
+
+def test_cross_layer_views_are_recognised_as_block_major() -> None:
+    _, worker = connectors(GQA)
+    register(worker, "vllm>=0.29 BLHNC", GQA, NUM_BLOCKS)
+    assert worker.cache.layout.name == "BLHNC" and worker.cache.layout.is_cross_layer
+    _, worker = connectors(GQA)
+    register(worker, "vllm0.12 flash NHD cross", GQA, NUM_BLOCKS)
+    assert worker.cache.layout.is_cross_layer
+
+
+@pytest.mark.parametrize("variant", ["mla_v0.12", "mla_v0.12_cross", "ascend_mla_tuple"])
+def test_mla_round_trip(variant: str) -> None:
+    scheduler, worker = connectors(MLA)
+    worker.register_kv_caches(allocate(variant, MLA, NUM_BLOCKS).layers)
+    for tensor in worker.cache.storage:
+        tensor.view(torch.int16).random_()
+    prompt = list(range(4 * MLA.block_size + 1))
+    run_step(scheduler, worker, "a", prompt, [4, 9, 2, 7, 1], False)
+    expected = block_bytes(worker, [4, 9, 2, 7])
+    for tensor in worker.cache.storage:
+        tensor.zero_()
+    assert run_step(scheduler, worker, "b", prompt, [10, 3, 8, 5, 6], False) == 4 * MLA.block_size
+    assert all(torch.equal(a, b) for a, b in zip(expected, block_bytes(worker, [10, 3, 8, 5])))
+
+
+def test_vllm_prefix_hits_are_not_loaded_again() -> None:
+    scheduler, worker = connectors(GQA)
+    register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
+    prompt = list(range(6 * BS + 1))
+    run_step(scheduler, worker, "a", prompt, list(range(7)), False)
+    request = SimpleNamespace(request_id="b", prompt_token_ids=prompt)
+    assert scheduler.get_num_new_matched_tokens(request, 2 * BS) == (4 * BS, False)
+    assert scheduler.get_num_new_matched_tokens(request, 6 * BS) == (0, False)
+
+
+def test_prompt_shorter_than_a_block_and_new_prompt_miss() -> None:
+    scheduler, worker = connectors(GQA)
+    register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
+    assert run_step(scheduler, worker, "a", list(range(BS)), [0], False) == 0
+    assert run_step(scheduler, worker, "b", list(range(BS)), [1], False) == 0  # the last token is always computed
+    assert run_step(scheduler, worker, "c", list(range(100, 100 + 3 * BS)), [2, 3, 4], False) == 0
+
+
+def test_longer_prompt_reuses_the_shared_prefix() -> None:
+    scheduler, worker = connectors(GQA, {"chunk_size": 2 * BS})
+    register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
+    prefix = list(range(5 * BS))
+    run_step(scheduler, worker, "a", prefix + [1], list(range(6)), False)
+    assert run_step(scheduler, worker, "b", prefix + list(range(900, 900 + 2 * BS)), list(range(6, 14)), False) == 5 * BS
+
+
+def test_model_or_layout_mismatch_is_a_miss() -> None:
+    scheduler, worker = connectors(GQA)
+    register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
+    prompt = list(range(3 * BS + 1))
+    run_step(scheduler, worker, "a", prompt, [0, 1, 2, 3], False)
+    # the same store, now serving a cross-layer cache: chunks in LBHNC cannot be loaded into it
+    worker_b = connectors(GQA)[1]
+    register(worker_b, "vllm>=0.29 BLHNC", GQA, NUM_BLOCKS)
+    request = SimpleNamespace(request_id="b", prompt_token_ids=prompt)
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert worker.store.stats.mismatched >= 1
+
+
+def test_corrupt_chunk_is_recomputed_not_loaded() -> None:
+    scheduler, worker = connectors(GQA, {"verify": "always"})
+    register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
+    prompt = list(range(4 * BS + 1))
+    run_step(scheduler, worker, "a", prompt, [0, 1, 2, 3, 4], False)
+    chunk = worker.store.memory_chunks()[0]
+    chunk.buffer.storage[0].view(-1)[123] += 1  # one flipped value in host memory
+    request = SimpleNamespace(request_id="b", prompt_token_ids=prompt)
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert worker.store.stats.corrupt == 1 and len(worker.store) == 0
+
+
+def test_full_store_evicts_and_never_fails() -> None:
+    one_chunk = 2 * GQA.block_bytes
+    scheduler, worker = connectors(GQA, {"chunk_size": 2 * BS, "store_bytes": 2 * one_chunk})
+    register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
+    prompt = list(range(8 * BS + 1))  # four chunks into a store that holds two
+    run_step(scheduler, worker, "a", prompt, list(range(9)), False)
+    assert len(worker.store) == 2 and worker.store.stats.evicted == 2
+    assert worker.store.bytes <= 2 * one_chunk
+    # saved tail first, so the tail went and the head stayed: the first two chunks are a hit
+    assert run_step(scheduler, worker, "b", prompt, list(range(9, 18)), False) == 2 * 2 * BS
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"colour": "blue"}, "unknown kv_connector_extra_config key"),
+    ({"store": "s3"}, "store must be 'cpu' or 'disk'"),
+    ({"store": "disk"}, "needs disk_path"),
+    ({"disk_path": "/tmp/x"}, "only used with store 'disk'"),
+    ({"layerwise": "yes"}, "layerwise must be true or false"),
+    ({"store_bytes": 0}, "store_bytes must be a positive integer"),
+    ({"chunk_size": -32}, "chunk_size must be a positive integer"),
+    ({"method": "memcpy"}, "method must be one of"),
+    ({"verify": "never"}, "verify must be 'always' or 'disk'"),
+])
+def test_bad_extra_config_fails_at_start(extra: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        connectors(GQA, extra)
+
+
+def test_chunk_size_must_be_whole_blocks() -> None:
+    with pytest.raises(ValueError, match="not a multiple of the block size 16"):
+        connectors(GQA, {"chunk_size": 40})
+
+
+def test_defaults() -> None:
+    config = ConnectorConfig.parse(None)
+    assert config.store == "cpu" and not config.layerwise and config.chunk_blocks(32) == 8
+
+
+def test_cross_layer_request_on_cpu_falls_back_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    config = stand_in_config(GQA, {"enable_cross_layers_blocks": True})
+    with caplog.at_level(logging.WARNING, logger="kvlab.connector"):
+        assert KVLabConnector.get_required_kvcache_layout(config) is None
+    assert "ignored on CPU" in caplog.text
+    assert KVLabConnector.get_required_kvcache_layout(stand_in_config(GQA, {})) is None
+    scheduler, worker = connectors(GQA, {"enable_cross_layers_blocks": True})
+    assert worker.prefer_cross_layer_blocks  # what vLLM 0.12-0.28 reads
+
+
+def test_unrecognised_cache_is_a_clear_error() -> None:
+    _, worker = connectors(GQA)
+    with pytest.raises(ValueError, match="no kvlab layout"):
+        worker.register_kv_caches({layer_name(i): torch.zeros(NUM_BLOCKS, 7, 3) for i in range(GQA.num_layers)})
+
+
+# ---- faults, tenants, adapters, stale weights (issue 11) --------------------------------------
+def lookup(scheduler: KVLabConnector, prompt: list[int], **fields) -> int:
+    return scheduler.get_num_new_matched_tokens(vllm_request("lookup", prompt, **fields), 0)[0]
+
+
+def test_cache_salt_keeps_tenants_apart() -> None:
+    """vLLM's own prefix cache gives salts a, b, none, a: [0, 0, 0, all]; so must the connector."""
+    scheduler, worker = connectors(GQA)
+    register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
+    prompt = list(range(4 * BS + 1))
+    hits = []
+    for i, salt in enumerate(["a", "b", None, "a"]):
+        hits.append(prefill(scheduler, worker, f"r{i}", prompt, list(range(5 * i, 5 * i + 5)), cache_salt=salt)["hit_tokens"])
+    assert hits == [0, 0, 0, 4 * BS]
+
+
+def test_lora_requests_never_get_base_or_other_adapters_kv(tmp_path) -> None:
+    from vllm.lora.request import LoRARequest
+
+    (tmp_path / "x").mkdir(), (tmp_path / "y").mkdir()
+    scheduler, worker = connectors(GQA)
+    register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
+    prompt = list(range(4 * BS + 1))
+    x, y = LoRARequest("x", 1, str(tmp_path / "x")), LoRARequest("y", 2, str(tmp_path / "y"))
+    run_step(scheduler, worker, "base", prompt, [0, 1, 2, 3, 4], False)
+    assert lookup(scheduler, prompt, lora_request=x) == 0
+    prefill(scheduler, worker, "x", prompt, [5, 6, 7, 8, 9], lora_request=x)
+    assert lookup(scheduler, prompt, lora_request=x) == 4 * BS
+    assert lookup(scheduler, prompt, lora_request=y) == 0
+    assert lookup(scheduler, prompt, lora_request=LoRARequest("x", 3, str(tmp_path / "x"))) == 0  # another id
+    (tmp_path / "x" / "adapter_model.safetensors").write_bytes(b"new weights")
+    from kvlab.connector import keys as module
+
+    module._adapter_key.cache_clear()  # a new process: the adapter's files changed at the same path
+    assert lookup(scheduler, prompt, lora_request=x) == 0
+
+
+def test_new_weights_at_the_same_path_are_misses_not_stale_kv(tmp_path) -> None:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(bytes(4096))
+    extra = {"store": "disk", "disk_path": str(tmp_path / "kv")}
+    scheduler, worker = connector_pair(GQA, NUM_BLOCKS, extra, model=str(folder))
+    register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
+    prompt = list(range(4 * BS + 1))
+    run_step(scheduler, worker, "a", prompt, [0, 1, 2, 3, 4], False)
+    reset_stores()  # a new process on the same disk store
+    assert lookup(connector_pair(GQA, NUM_BLOCKS, extra, model=str(folder))[0], prompt) == 4 * BS
+    reset_stores()
+    (folder / "model.safetensors").write_bytes(b"\x01" + bytes(4095))  # fine-tuned in place
+    assert lookup(connector_pair(GQA, NUM_BLOCKS, extra, model=str(folder))[0], prompt) == 0
+
+
+def test_every_damaged_chunk_of_a_prompt_is_saved_again(tmp_path) -> None:
+    extra = {"store": "disk", "disk_path": str(tmp_path / "kv"), "chunk_size": BS}
+    scheduler, worker = connectors(GQA, extra)
+    register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
+    prompt = list(range(4 * BS + 1))
+    run_step(scheduler, worker, "a", prompt, [0, 1, 2, 3, 4], False)
+    files = sorted((tmp_path / "kv").glob("*.kvchunk"))
+    assert len(files) == 4
+    for path in files:
+        data = bytearray(path.read_bytes())
+        data[-5] ^= 0x10
+        path.write_bytes(bytes(data))
+    reset_stores()
+    scheduler, worker = connectors(GQA, extra)
+    register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
+    assert run_step(scheduler, worker, "b", prompt, [5, 6, 7, 8, 9], False) == 0
+    assert worker.stats.saved_blocks == 4, "all four chunks written again, not only the first"
+    reset_stores()
+    assert lookup(connectors(GQA, extra)[0], prompt) == 4 * BS
+
+
+def test_an_unavailable_method_fails_at_start_up(monkeypatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    _, worker = connectors(GQA, {"method": "triton"})
+    with pytest.raises(ValueError, match="method 'triton' cannot run here: triton kernels need a CUDA device"):
+        register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole-step", "layerwise"])
+def test_a_failing_save_or_load_never_reaches_the_request(monkeypatch, caplog, layerwise) -> None:
+    scheduler, worker = connectors(GQA, {"layerwise": layerwise})
+    register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
+    prompt = list(range(4 * BS + 1))
+
+    def broken(chunk):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(worker.store, "put", broken)
+    with caplog.at_level(logging.WARNING, logger="kvlab.connector"):
+        run_step(scheduler, worker, "a", prompt, [0, 1, 2, 3, 4], layerwise)
+        run_step(scheduler, worker, "b", prompt, [5, 6, 7, 8, 9], layerwise)
+    assert worker.stats.save_errors == 2 and caplog.text.count("a save failed") == 1
+    monkeypatch.undo()
+    run_step(scheduler, worker, "c", prompt, [0, 1, 2, 3, 4], layerwise)  # saved now
+
+    def no_copy(*args, **kwargs):
+        raise RuntimeError("copy engine fault")
+
+    monkeypatch.setattr("kvlab.connector.connector.run_all", no_copy)
+    monkeypatch.setattr("kvlab.transfer.Transfer.run", no_copy)
+    assert run_step(scheduler, worker, "d", prompt, [10, 11, 12, 13, 14], layerwise) == 4 * BS
+    assert worker.get_block_ids_with_load_errors() == {10, 11, 12, 13}, "handed back to vLLM to recompute"
+    assert worker.stats.load_errors == 1

@@ -1,0 +1,162 @@
+"""The harness, the cost model and the bench CLI: correct records, not speed."""
+
+import json
+
+import pytest
+
+from kvlab import results
+from kvlab.cache import preset
+from kvlab.cli import main
+from kvlab.experiments import bench, costmodel
+from kvlab.transfer import ALL_METHODS
+
+SMALL = preset("smollm2-135m").with_(num_layers=4)
+
+
+def test_measure_row_has_every_field():
+    """A row carries what a reader needs to judge it: bytes, segments, spread, ceiling, ratio."""
+    config = bench.Config(SMALL, "LBHNC", "gather", "offload", 64)
+    row = bench.measure(config, bench.resolve_device("cpu"), 3, bench._Setup(config, bench.resolve_device("cpu"), 0))
+    assert row["status"] == "ok"
+    assert row["bytes"] == 64 * SMALL.token_bytes
+    assert 4 <= row["segments"] <= 4 * 4  # 4 scattered blocks x 4 layers, a few merged across layer ends
+    assert row["seconds_min"] <= row["seconds"] <= row["seconds_max"]
+    assert row["ratio"] > 0 and row["ceiling_gbps"] > 0 and row["repeats"] == 3
+
+
+def test_unavailable_method_is_a_row_that_says_why():
+    config = bench.Config(SMALL, "LBHNC", "vllm", "load", 64)
+    row = bench.measure(config, bench.resolve_device("cpu"), 2, bench._Setup(config, bench.resolve_device("cpu"), 0))
+    assert row["status"].startswith("unavailable: ")
+
+
+def test_sweep_appends_jsonl_with_fingerprint(tmp_path):
+    out = tmp_path / "r.jsonl"
+    configs = [bench.Config(SMALL, layout, "segments", direction, 32)
+               for layout in ("LBHNC", "BLHNC") for direction in bench.DIRECTIONS]
+    bench.run_sweep(configs, "cpu", repeats=2, out=out)
+    bench.run_sweep(configs[:1], "cpu", repeats=2, out=out)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    runs = [r for r in records if r["record"] == "run"]
+    assert len(runs) == 2 and len(records) == 2 + 5
+    for key in ("device_name", "cpu_model", "cpu_cores", "memory_bytes", "torch", "vllm", "lmcache", "date", "git_commit"):
+        assert key in runs[0]
+    latest = results.load_results([out])
+    assert len(latest) == 1 and latest[0]["hardware"] == runs[1]["hardware"]
+    assert len(results.load_results([out], latest=False)) == 5
+
+
+def test_corrupt_results_file_is_named(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"record": "run"\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1 is not JSON"):
+        results.load_results([bad])
+
+
+def test_profiles_build_configs():
+    for name, profile in bench.PROFILES.items():
+        configs = bench.configs(profile)
+        assert configs, name
+        assert all(c.method in ALL_METHODS for c in configs)
+    mla = [c for c in bench.configs(bench.PROFILES["full"]) if c.geometry.is_mla]
+    assert {c.layout for c in mla} >= {"ascend_mla_tuple", "BLHNC", "mla_v0.12"}
+
+
+def _synthetic_rows(per_segment, bandwidth, method="segments"):
+    rows = []
+    for segments, nbytes in [(16, 1 << 20), (512, 1 << 22), (2048, 1 << 24), (64, 1 << 26), (8192, 1 << 25)]:
+        rows.append({"record": "row", "status": "ok", "hardware": "test", "direction": "offload", "method": method,
+                     "segments": segments, "bytes": nbytes, "seconds": segments * per_segment + nbytes / bandwidth})
+    return rows
+
+
+def test_cost_model_recovers_known_parameters():
+    (fit,) = costmodel.fit(_synthetic_rows(5e-6, 10e9))
+    assert fit.per_segment_s == pytest.approx(5e-6, rel=1e-6)
+    assert fit.bandwidth == pytest.approx(10e9, rel=1e-6)
+    assert fit.mean_abs_error < 1e-9
+    # per-layer within 10% of cross-layer from s >= 10 * c * bw * (1 - 1.1 / L)
+    assert fit.break_even_segment_bytes(32) == pytest.approx(10 * 5e-6 * 10e9 * (1 - 1.1 / 32))
+    predicted = costmodel.predictions(_synthetic_rows(5e-6, 10e9), [fit])
+    assert all(abs(r["error"]) < 1e-9 for r in predicted)
+
+
+def test_cost_model_never_fits_negative_costs():
+    rows = _synthetic_rows(0.0, 10e9)
+    rows[0]["seconds"] *= 0.5  # noise that would pull the per-segment cost below zero
+    (fit,) = costmodel.fit(rows)
+    assert fit.per_segment_s >= 0 and fit.bandwidth > 0
+
+
+def test_chunk_gain_favours_cross_layer_when_segments_cost():
+    (fit,) = costmodel.fit(_synthetic_rows(5e-6, 10e9))
+    (row,) = costmodel.chunk_gain([fit], [preset("llama-3.1-8b")])
+    assert row["per_layer_segments"] == 512 and row["cross_layer_segments"] == 16
+    assert row["gain"] > 1
+
+
+def test_bench_cli(tmp_path, capsys):
+    out = tmp_path / "cli.jsonl"
+    assert main(["bench", "--model", "smollm2-135m", "--tokens", "32", "--layouts", "LBHNC,BLHNC",
+                 "--methods", "segments,gather", "--device", "cpu", "--repeats", "2", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "LBHNC" in text and "ratio" in text and "appended" in text
+    # 2 layouts x scattered|contiguous x 2 methods x 2 directions, plus chunk rows (2 sources x 2 x 2)
+    assert len(results.load_results([out])) == 16 + 8
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--methods", "teleport"], "unknown method"),
+    (["--layouts", "XYZ"], "unknown layout"),
+    (["--tokens", "0"], "--tokens must be positive"),
+    (["--tokens", "a,b"], "comma-separated list of int"),
+    (["--device", "tpu"], "unknown device"),
+])
+def test_bench_cli_bad_input(argv, message, capsys):
+    assert main(["bench", "--no-save", "--model", "smollm2-135m", "--tokens", "32", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_layerwise_rows(tmp_path):
+    rows = bench.pipeline_timing(SMALL, 64, [0.5, 2], "cpu", repeats=1)
+    assert [r["intensity"] for r in rows] == [0.5, 2]
+    assert all(r["sequential_s"] > 0 and r["layerwise_s"] > 0 and r["speedup"] > 0 for r in rows)
+
+
+def test_rows_are_written_as_measured(tmp_path):
+    """A sweep cut short (the GPU script runs under a timeout) keeps the rows it measured."""
+    out = results.default_results_path("02_transfer", "cpu", tmp_path)
+    assert out.parent == tmp_path and out.name.startswith("02_transfer-cpu-")
+    configs = [bench.Config(SMALL, "LBHNC", "segments", "offload", 32)] * 2 + [bench.Config(SMALL, "LBHNC", "nosuch", "load", 32)]
+    with pytest.raises(ValueError, match="unknown method"):
+        bench.run_sweep(configs, "cpu", repeats=1, out=out)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["record"] for r in records] == ["run", "row", "row"]
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"layout": "KV_2LTD"}, "chunk format, not a paged cache"),
+    ({"target": "LBHNC"}, "target must be 'host' or an LMCache chunk format"),
+    ({"direction": "sideways"}, "direction must be one of"),
+    ({"block_ids": "random"}, "block_ids must be"),
+    ({"tokens": 0}, "tokens must be a positive integer"),
+])
+def test_config_bad_input(changes, message):
+    with pytest.raises(ValueError, match=message):
+        bench.Config(**{"geometry": SMALL, "layout": "LBHNC", "method": "gather", "direction": "load",
+                        "tokens": 32, **changes})
+
+
+def test_bad_repeats_and_intensities(tmp_path):
+    with pytest.raises(ValueError, match="repeats must be a positive integer"):
+        bench.run_sweep([bench.Config(SMALL, "LBHNC", "gather", "load", 32)], "cpu", repeats=0)
+    with pytest.raises(ValueError, match="intensities must be"):
+        bench.pipeline_timing(SMALL, 32, [-1], "cpu")
+
+
+def test_a_run_that_measured_nothing_does_not_hide_the_last_one(tmp_path):
+    out = tmp_path / "r.jsonl"
+    bench.run_sweep([bench.Config(SMALL, "LBHNC", "segments", "offload", 32)], "cpu", repeats=1, out=out)
+    with pytest.raises(ValueError):
+        bench.run_sweep([bench.Config(SMALL, "LBHNC", "nosuch", "offload", 32)], "cpu", repeats=1, out=out)
+    assert len(results.load_results([out])) == 1

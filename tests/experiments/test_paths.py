@@ -1,0 +1,45 @@
+"""One vocabulary for the paths compared: every label a committed results file holds names
+one path, and each path keeps the colour figures have always given it."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvlab.experiments.paths import Reuse, colour, connector_colour
+
+RESULTS = Path(__file__).resolve().parents[2] / "data" / "results"
+
+
+def recorded_labels() -> set[str]:
+    labels = set()
+    for stem, key in (("03_ttft", "scenario"), ("04_accuracy", "path"), ("04_connectors", "connector")):
+        for path in RESULTS.glob(f"{stem}-*.jsonl"):
+            for line in path.read_text().splitlines():
+                row = json.loads(line)
+                if row.get("record") != "run" and key in row:
+                    labels.add(row[key])
+    return labels
+
+
+def test_every_recorded_label_names_a_path():
+    labels = recorded_labels()
+    assert labels, "the committed results hold labelled rows"
+    assert {label: Reuse.of(label) for label in labels if Reuse.of(label) is None} == {}
+
+
+@pytest.mark.parametrize("label, path", [
+    ("recompute", Reuse.RECOMPUTE), ("no connector", Reuse.RECOMPUTE),
+    ("vLLM prefix hit", Reuse.VLLM_PREFIX_HIT), ("vLLM prefix-cache hit", Reuse.VLLM_PREFIX_HIT),
+    ("KVLab whole-step, disk, new process", Reuse.KVLAB_WHOLE_STEP), ("KVLabConnector", Reuse.KVLAB_WHOLE_STEP),
+    ("KVLab layerwise, memory", Reuse.KVLAB_LAYERWISE), ("LMCache", Reuse.LMCACHE),
+    ("ExampleConnector", Reuse.EXAMPLE_CONNECTOR), ("something else", None),
+])
+def test_labels_name_their_path(label, path):
+    assert Reuse.of(label) is path
+
+
+def test_colours_by_label_and_by_engine_connector():
+    assert colour("KVLab layerwise") == colour("KVLabConnector") == connector_colour("kvlab") == "#1f77b4"
+    assert colour("vLLM prefix-cache hit") == "#000000" and colour("no connector") == connector_colour("none")
+    assert colour("unknown") == connector_colour("unknown") == "#9467bd"

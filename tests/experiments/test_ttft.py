@@ -1,0 +1,26 @@
+"""Engine runs and time-to-first-token tables refuse bad input before any engine starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvlab.runtime.engine import EngineSpec, run_engine  # noqa: E402
+
+
+def test_engine_and_table_bad_input(tmp_path: Path) -> None:
+    from kvlab.cache import preset
+    from kvlab.experiments.registration import registration_costs
+    from kvlab.experiments.ttft import with_overheads
+
+    with pytest.raises(FileNotFoundError, match="no model folder"):
+        run_engine(EngineSpec(str(tmp_path / "missing")), [[1, 2, 3]])
+    with pytest.raises(ValueError, match="non-empty prompt"):
+        run_engine(EngineSpec(str(tmp_path)), [[]])
+    with pytest.raises(ValueError, match="no vLLM prefix-cache hit row"):
+        with_overheads([{"scenario": "KVLab whole-step, memory", "phase": "warm", "median_s": 0.1}])
+    with pytest.raises(ValueError, match="at least one block"):
+        registration_costs(preset("smollm2-135m"), 8, ["vllm>=0.29 LBHNC"])

@@ -1,0 +1,30 @@
+"""lm-eval's vLLM backend with KVLabConnector, for real: a small CPU run scores the same
+with and without the connector while the connector serves the shared few-shot prefix."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("lm_eval")
+
+
+from kvlab.experiments.lmeval import compare_connectors, write_task  # noqa: E402
+
+pytestmark = pytest.mark.slow  # starts engines, servers or notebook kernels
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+
+
+def test_connector_changes_no_score_and_serves_the_few_shot_prefix(smollm2, tmp_path, offline) -> None:
+    folder = write_task(tmp_path / "task", size=4, train_size=2)
+    rows = compare_connectors(smollm2, folder, ("none", "kvlab"), limit=2, num_fewshot=2, max_gen_toks=8)
+    scores = {c: [(r["filter"], r["metric"], r["value"], r["n"]) for r in rows if r["connector"] == c]
+              for c in ("none", "kvlab")}
+    assert scores["none"] == scores["kvlab"] and {r[0] for r in scores["none"]} == {"strict-match", "flexible-extract"}
+    kvlab = [r for r in rows if r["connector"] == "kvlab"]
+    assert all(r["identical_generations"] == r["problems"] == 2 for r in kvlab)  # fp32: the same generations
+    assert all(r["hit_tokens"] > 0 for r in kvlab)

@@ -1,0 +1,56 @@
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pytest  # noqa: E402
+
+from kvlab.cache import preset, sweep  # noqa: E402
+from kvlab.plotting import memory_map, miniature, save_figure, segment_scaling  # noqa: E402
+
+
+def test_memory_map_and_save(tmp_path):
+    small = miniature(preset("llama-3.1-8b"))
+    assert (small.num_layers, small.num_kv_heads, small.block_size) == (4, 2, 4)
+    fig = memory_map(["LBHNC", "BLHNC", "ascend_kv_tuple"], small, moved_blocks=(1, 4))
+    assert len(fig.axes) == 12
+    assert fig.axes[0].get_title() == "LBHNC\n8 segments for 2 blocks"
+    assert fig.axes[1].get_title() == "BLHNC\n2 segments for 2 blocks"
+    paths = save_figure(fig, "map", tmp_path, formats=("png", "svg", "pdf"))
+    assert [p.suffix for p in paths] == [".png", ".svg", ".pdf"] and all(p.stat().st_size > 1000 for p in paths)
+
+
+def test_memory_map_mla_and_bad_colour():
+    small = miniature(preset("deepseek-v2-lite"))
+    memory_map(["mla_v0.12", "ascend_mla_tuple"], small, colour_by=("layer", "part"))
+    with pytest.raises(ValueError, match="colour by one of"):
+        memory_map(["LBHNC"], small, colour_by=("colour",))
+
+
+def test_segment_scaling(tmp_path):
+    rows = sweep(["LBHNC", "BLHNC"], preset("qwen3-8b"), [16, 64, 256], [16, 32])
+    fig = segment_scaling(rows, "qwen3")
+    assert len(fig.axes[0].lines) == 4
+
+
+def test_segments_by_layout():
+    from kvlab.plotting import segments_by_layout
+
+    rows = sweep(["LBHNC", "BLHNC", "flash_attn_v0.12"], preset("llama-3.1-8b"), [256], [16, 64])
+    fig = segments_by_layout(rows, "llama")
+    assert len(fig.axes[0].patches) == 6
+
+
+def test_saved_figures_are_reproducible(tmp_path):
+    small = miniature(preset("smollm2-135m"))
+    first = [p.read_bytes() for p in save_figure(memory_map(["BLHNC"], small), "a", tmp_path, ("png", "svg", "pdf"))]
+    second = [p.read_bytes() for p in save_figure(memory_map(["BLHNC"], small), "b", tmp_path, ("png", "svg", "pdf"))]
+    assert first == second
+
+
+def test_atlas_draws_every_layout():
+    from kvlab.cache import LAYOUTS, Holds
+    from kvlab.plotting import atlas
+
+    names = [n for n, layout in LAYOUTS.items() if layout.requires is not Holds.MLA]
+    fig = atlas(names, miniature(preset("llama-3.1-8b")), columns=6)
+    assert sum(1 for ax in fig.axes if ax.get_title()) == len(names)

@@ -1,0 +1,149 @@
+"""kvlab.store: checked chunks, LRU in memory, a disk tier that outlives the process, and
+damaged or foreign chunks treated as misses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvlab.cache import ModelGeometry, allocate
+from kvlab.store import Chunk, KVStore, block_hashes, signature
+
+GEOMETRY = ModelGeometry("store-test", 2, 2, 32, torch.bfloat16, 16)
+
+
+def chunk(tag: int, blocks: int = 2, layout: str = "LBHNC") -> Chunk:
+    buffer = allocate(layout, GEOMETRY, blocks)
+    for tensor in buffer.storage:
+        tensor.view(torch.int16).random_(generator=torch.Generator().manual_seed(tag))
+    keys = block_hashes(list(range(tag, tag + blocks * GEOMETRY.block_size)), GEOMETRY.block_size, "seed")
+    return Chunk(keys, buffer, signature(buffer)).seal()
+
+
+def same_bytes(a: Chunk, b: Chunk) -> bool:
+    return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a.buffer.storage, b.buffer.storage))
+
+
+def test_block_hashes_chain_the_prefix() -> None:
+    tokens = list(range(64))
+    a = block_hashes(tokens, 16, "m")
+    assert len(a) == 4 and len(set(a)) == 4
+    assert block_hashes(tokens[:40], 16, "m") == a[:2]  # a partial block has no hash
+    changed = block_hashes([99] + tokens[1:], 16, "m")
+    assert all(x != y for x, y in zip(a, changed))  # one early token changes every later hash
+    assert block_hashes(tokens, 16, "other model") != a
+
+
+def test_lookup_returns_the_leading_run() -> None:
+    store = KVStore()
+    c = chunk(1, blocks=3)
+    assert store.put(c)
+    assert [p for _, p in store.matched_blocks(c.block_keys)] == [0, 1, 2]
+    assert len(store.matched_blocks(["missing"] + c.block_keys)) == 0
+    assert len(store.matched_blocks(c.block_keys[:2] + ["missing"])) == 2
+
+
+def test_lru_eviction_within_the_budget() -> None:
+    size = chunk(0).nbytes
+    store = KVStore(capacity_bytes=2 * size)
+    a, b, c = chunk(1), chunk(2), chunk(3)
+    store.put(a), store.put(b)
+    store.get(a.key)  # a is now the most recently used
+    store.put(c)
+    assert a.key in store and c.key in store and b.key not in store
+    assert store.stats.evicted == 1 and store.bytes == 2 * size
+
+
+def test_a_chunk_larger_than_the_store_is_dropped_not_an_error() -> None:
+    store = KVStore(capacity_bytes=100)
+    assert store.put(chunk(1)) is False
+    assert store.stats.dropped == 1 and len(store) == 0
+
+
+def test_corrupt_memory_chunk_is_a_miss_when_verifying() -> None:
+    store = KVStore(verify="always")
+    c = chunk(1)
+    store.put(c)
+    c.buffer.storage[0].view(-1)[5] += 1
+    assert store.get(c.key) is None and store.stats.corrupt == 1 and len(store) == 0
+    trusting = KVStore(verify="disk")
+    d = chunk(2)
+    trusting.put(d)
+    assert trusting.get(d.key) is d
+
+
+def test_signature_mismatch_is_a_miss() -> None:
+    store = KVStore(verify="always")
+    c = chunk(1)
+    store.put(c)
+    other = signature(allocate("BLHNC", GEOMETRY, 2))
+    assert store.get(c.key, expect=other) is None and store.stats.mismatched == 1
+    assert store.get(c.key, expect=c.signature) is c
+
+
+def test_disk_tier_survives_a_new_store(tmp_path: Path) -> None:
+    c = chunk(1, layout="BLHNC")
+    KVStore(disk_path=tmp_path).put(c)
+    fresh = KVStore(disk_path=tmp_path)  # another process would see the same
+    assert len(fresh) == 0
+    got = fresh.get(c.key)
+    assert got is not None and same_bytes(got, c) and got.buffer.layout.name == "BLHNC"
+    assert got.block_keys == c.block_keys and fresh.stats.disk_reads == 1
+    assert fresh.matched_blocks(c.block_keys)[-1][1] == 1
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "header", "empty"])
+def test_damaged_file_is_a_miss_and_removed(tmp_path: Path, damage: str) -> None:
+    c = chunk(1)
+    KVStore(disk_path=tmp_path).put(c)
+    path = next(tmp_path.glob("*.kvchunk"))
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[-10] ^= 0xFF
+    elif damage == "truncate":
+        data = data[:-100]
+    elif damage == "header":
+        data[20:40] = b"x" * 20
+    else:
+        data = bytearray()
+    path.write_bytes(bytes(data))
+    fresh = KVStore(disk_path=tmp_path)
+    assert fresh.get(c.key) is None
+    assert fresh.stats.corrupt == 1 and not path.exists()
+    assert fresh.matched_blocks(c.block_keys) == []
+
+
+def test_stray_files_are_ignored(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("hello")
+    (tmp_path / "junk.kvchunk").write_bytes(b"not a chunk")
+    store = KVStore(disk_path=tmp_path)
+    c = chunk(1)
+    store.put(c)
+    assert store.get(c.key) is c
+
+
+def test_disk_budget_removes_oldest_files(tmp_path: Path) -> None:
+    size = chunk(0).nbytes
+    store = KVStore(disk_path=tmp_path, disk_capacity_bytes=2 * size + 4096)
+    for tag in range(4):
+        store.put(chunk(tag))
+    assert len(list(tmp_path.glob("*.kvchunk"))) == 2
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"capacity_bytes": 0}, "capacity_bytes must be a positive"),
+    ({"disk_capacity_bytes": -1}, "disk_capacity_bytes must be a positive"),
+    ({"verify": "sometimes"}, "verify must be"),
+])
+def test_bad_settings(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        KVStore(**kwargs)
+
+
+def test_disk_path_that_is_a_file(tmp_path: Path) -> None:
+    path = tmp_path / "not-a-folder"
+    path.write_text("x")
+    with pytest.raises(ValueError, match="is a file, not a folder"):
+        KVStore(disk_path=path)
