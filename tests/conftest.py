@@ -84,3 +84,13 @@ def running(pids: list[int]) -> list[int]:
             alive.append(pid)
     return alive
 
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path):
+    """A real ``redis-server`` on 127.0.0.1 (kvlab.runtime.redis), stopped after the test.
+    Not a skip when it is missing: scripts/setup-env installs it, and the tiers need it."""
+    from kvlab.runtime.redis import RedisServer
+
+    with RedisServer(log_path=tmp_path / "redis.log", maxmemory_mb=256) as server:
+        yield server

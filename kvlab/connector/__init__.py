@@ -2,17 +2,21 @@
 
 Load it with ``kv_connector="KVLabConnector"``, ``kv_connector_module_path="kvlab.connector"``,
 ``kv_role="kv_both"`` and, optionally, ``kv_connector_extra_config`` (see ConnectorConfig).
-``kvlab.connector.driver`` drives it as vLLM's scheduler and each runner generation do,
-without an engine; ``kvlab.connector.vllm_views`` builds vLLM's own per-layer views.
+The scheduler side owns the index (scheduler, index), the workers own the KV (worker),
+and they exchange only keys and block ids (messages). ``kvlab.connector.driver`` drives
+it as vLLM's scheduler and each runner generation do, without an engine;
+``kvlab.connector.vllm_views`` builds vLLM's own per-layer views.
 """
 
-from kvlab.connector.config import CROSS_LAYER_LAYOUT, ConnectorConfig
-from kvlab.connector.connector import KVLabConnector, KVLabMetadata, LoadSpec, SaveSpec, runs_per_block
+from kvlab.connector.config import CROSS_LAYER_LAYOUT, TIERS, ConnectorConfig
+from kvlab.connector.connector import KVLabConnector
 from kvlab.connector.keys import model_seed, request_keys
+from kvlab.connector.messages import KVLabMetadata, KVLabWorkerMeta, LoadSpec, SaveSpec, Source
 from kvlab.connector.stores import ConnectorStats, all_stats, drop_memory_tiers, reset_stores, shared, zero_memory_tiers
+from kvlab.connector.worker import runs_per_block
 
 __all__ = [
-    "CROSS_LAYER_LAYOUT", "ConnectorConfig", "ConnectorStats", "KVLabConnector", "KVLabMetadata", "LoadSpec", "SaveSpec",
-    "all_stats", "drop_memory_tiers", "model_seed", "request_keys", "reset_stores", "runs_per_block", "shared",
-    "zero_memory_tiers",
+    "CROSS_LAYER_LAYOUT", "TIERS", "ConnectorConfig", "ConnectorStats", "KVLabConnector", "KVLabMetadata",
+    "KVLabWorkerMeta", "LoadSpec", "SaveSpec", "Source", "all_stats", "drop_memory_tiers", "model_seed",
+    "request_keys", "reset_stores", "runs_per_block", "shared", "zero_memory_tiers",
 ]

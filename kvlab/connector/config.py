@@ -4,15 +4,14 @@ at start-up for anything else."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvlab.transfer.registry import METHODS
 
-if TYPE_CHECKING:
-    pass
-
-
 CROSS_LAYER_LAYOUT = "BLHNC"
+# Where chunks can live, in the order a lookup tries them: the worker's own memory, files
+# in a host-shared memory folder, files on disk, a Redis server.
+TIERS = ("memory", "shm", "disk", "redis")
 
 
 @dataclass(frozen=True)
@@ -20,15 +19,20 @@ class ConnectorConfig:
     """``kv_connector_extra_config`` keys; anything else fails at start-up."""
 
     enable_cross_layers_blocks: bool = False  # ask vLLM for a block-major cache (as the seed change did)
-    layerwise: bool = False  # load and save layer by layer behind the attention hooks
-    store: str = "cpu"  # "cpu" (this process) or "disk" (a folder that outlives it)
+    layerwise: bool = False  # load layer by layer behind the attention hooks
+    tiers: tuple[str, ...] | None = None  # lookup order, from TIERS; default from `store`
+    store: str = "cpu"  # shorthand for tiers: "cpu" = memory; "disk" = memory, then disk
     disk_path: str | None = None
-    store_bytes: int = 2 << 30  # host-memory budget; least recently used chunks go first
+    shm_path: str | None = None  # default /dev/shm/kvlab-<store_name>
+    redis_url: str | None = None  # e.g. redis://127.0.0.1:6379/0
+    store_bytes: int = 2 << 30  # each worker's memory budget; least recently used chunks go first
     disk_bytes: int = 16 << 30
+    shm_bytes: int = 4 << 30
     chunk_size: int | None = None  # tokens per stored chunk; default 256 rounded to blocks
     method: str = "gather"  # kvlab.transfer copy method
-    verify: str = "disk"  # "disk": CRC of every chunk read from disk; "always": also at every memory hit
-    store_name: str = "default"  # connectors with the same name in one process share a store
+    verify: str = "disk"  # "disk": CRC of every chunk read from a shared tier; "always": also in memory
+    async_saves: bool = True  # saves run beside the forward; a request's blocks are held until saved
+    store_name: str = "default"  # names the shared-memory folder and this process's counters
 
     @classmethod
     def parse(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
@@ -38,25 +42,54 @@ class ConnectorConfig:
         if unknown:
             raise ValueError(f"KVLabConnector: unknown kv_connector_extra_config key(s) {unknown}; "
                              f"known keys are {sorted(known)}")
-        for name in ("enable_cross_layers_blocks", "layerwise"):
+        for name in ("enable_cross_layers_blocks", "layerwise", "async_saves"):
             if name in extra and not isinstance(extra[name], bool):
                 raise ValueError(f"KVLabConnector: {name} must be true or false, got {extra[name]!r}")
-        for name in ("store_bytes", "disk_bytes", "chunk_size"):
+        for name in ("store_bytes", "disk_bytes", "shm_bytes", "chunk_size"):
             value = extra.get(name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ValueError(f"KVLabConnector: {name} must be a positive integer, got {value!r}")
+        if "tiers" in extra:
+            tiers = extra["tiers"]
+            if not isinstance(tiers, (list, tuple)) or not tiers or not all(isinstance(t, str) for t in tiers):
+                raise ValueError(f"KVLabConnector: tiers must be a list of tier names from {list(TIERS)}, got {tiers!r}")
+            extra["tiers"] = tuple(tiers)
         config = cls(**extra)
         if config.store not in ("cpu", "disk"):
             raise ValueError(f"KVLabConnector: store must be 'cpu' or 'disk', got {config.store!r}")
-        if config.store == "disk" and not config.disk_path:
-            raise ValueError("KVLabConnector: store 'disk' needs disk_path (a folder)")
-        if config.store == "cpu" and config.disk_path:
-            raise ValueError("KVLabConnector: disk_path is only used with store 'disk'")
+        tiers = config.tier_names
+        bad = [t for t in tiers if t not in TIERS]
+        if bad or len(set(tiers)) != len(tiers):
+            raise ValueError(f"KVLabConnector: tiers must name each of {list(TIERS)} at most once, got {list(tiers)}")
+        if "disk" in tiers and not config.disk_path:
+            raise ValueError("KVLabConnector: the disk tier (store 'disk') needs disk_path (a folder)")
+        if config.disk_path and "disk" not in tiers:
+            raise ValueError("KVLabConnector: disk_path is only used with the disk tier (store 'disk')")
+        if "redis" in tiers and not config.redis_url:
+            raise ValueError("KVLabConnector: the redis tier needs redis_url (e.g. redis://127.0.0.1:6379/0)")
+        for key, tier in (("redis_url", "redis"), ("shm_path", "shm")):
+            if getattr(config, key) and tier not in tiers:
+                raise ValueError(f"KVLabConnector: {key} is only used with the {tier} tier; tiers are {list(tiers)}")
         if config.method not in METHODS:
             raise ValueError(f"KVLabConnector: method must be one of {list(METHODS)}, got {config.method!r}")
         if config.verify not in ("always", "disk"):
             raise ValueError(f"KVLabConnector: verify must be 'always' or 'disk', got {config.verify!r}")
         return config
+
+    @property
+    def tier_names(self) -> tuple[str, ...]:
+        if self.tiers is not None:
+            return self.tiers
+        return ("memory", "disk") if self.store == "disk" else ("memory",)
+
+    @property
+    def shared_tiers(self) -> tuple[str, ...]:
+        """The tiers every process sees (a scheduler looks them up itself)."""
+        return tuple(t for t in self.tier_names if t != "memory")
+
+    @property
+    def shm_folder(self) -> str:
+        return self.shm_path or f"/dev/shm/kvlab-{self.store_name}"
 
     def chunk_blocks(self, block_size: int) -> int:
         if self.chunk_size is None:
@@ -65,3 +98,10 @@ class ConnectorConfig:
             raise ValueError(f"KVLabConnector: chunk_size {self.chunk_size} is not a multiple of the "
                              f"block size {block_size}")
         return self.chunk_size // block_size
+
+    def shared_store_options(self) -> dict[str, Any]:
+        """KVStore options for the shared tiers this config names."""
+        tiers = self.tier_names
+        return {"disk_path": self.disk_path if "disk" in tiers else None, "disk_capacity_bytes": self.disk_bytes,
+                "shm_path": self.shm_folder if "shm" in tiers else None, "shm_capacity_bytes": self.shm_bytes,
+                "redis_url": self.redis_url if "redis" in tiers else None, "verify": self.verify}

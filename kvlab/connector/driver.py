@@ -9,45 +9,71 @@ tensor, per-layer tensors or Ascend tuples otherwise). Imports vLLM."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput
 
 from kvlab import hooks
 from kvlab.cache.allocation import allocate, layer_name
 from kvlab.cache.geometry import ModelGeometry
 from kvlab.cache.layouts import GENERATIONS
-from kvlab.connector.connector import KVLabConnector, KVLabMetadata
+from kvlab.connector.connector import KVLabConnector
+from kvlab.connector.messages import KVLabMetadata
+from kvlab.connector.stores import UNBOUNDED
 from kvlab.connector.vllm_views import vllm_layer_views
+from kvlab.store.store import KVStore
 
 
-def stand_in_config(geometry: ModelGeometry, extra: dict | None = None, model: str | None = None) -> SimpleNamespace:
+def stand_in_config(geometry: ModelGeometry, extra: dict | None = None, model: str | None = None,
+                    workers: int = 1) -> SimpleNamespace:
     """The parts of a VllmConfig the connector reads, around a real KVTransferConfig;
     ``model`` is the model's folder (default: a name that is no folder)."""
     model = SimpleNamespace(
         model=model or f"/models/{geometry.name}", dtype=geometry.dtype, use_mla=geometry.is_mla,
         get_num_kv_heads=lambda parallel: geometry.num_kv_heads, get_head_size=lambda: geometry.head_size,
+        get_num_layers=lambda parallel: geometry.num_layers,
         hf_text_config=SimpleNamespace(kv_lora_rank=geometry.kv_lora_rank, qk_rope_head_dim=geometry.qk_rope_head_dim),
     )
     transfer = KVTransferConfig(kv_connector="KVLabConnector", kv_connector_module_path="kvlab.connector",
-                                kv_role="kv_both", kv_connector_extra_config=dict(extra or {}))
-    return SimpleNamespace(kv_transfer_config=transfer, model_config=model, parallel_config=None,
+                                kv_role="kv_both", kv_connector_extra_config=dict(extra or {}),
+                                kv_load_failure_policy="recompute")
+    return SimpleNamespace(kv_transfer_config=transfer, model_config=model,
+                           parallel_config=SimpleNamespace(world_size=workers, tensor_parallel_size=workers),
                            cache_config=SimpleNamespace(block_size=geometry.block_size, cache_dtype="auto"))
 
 
 def connector_pair(geometry: ModelGeometry, num_blocks: int, extra: dict | None = None,
                    model: str | None = None) -> tuple[KVLabConnector, KVLabConnector]:
-    """A scheduler-side and a worker-side connector of one engine (they share a store)."""
-    config = stand_in_config(geometry, extra, model)
+    """A scheduler-side and a worker-side connector of one engine: they share nothing but
+    the metadata and reports that :func:`step` passes between them, as in vLLM."""
+    scheduler, (worker,) = connector_group(geometry, num_blocks, extra, model)
+    return scheduler, worker
+
+
+def connector_group(geometry: ModelGeometry, num_blocks: int, extra: dict | None = None, model: str | None = None,
+                    workers: int = 1) -> tuple[KVLabConnector, list[KVLabConnector]]:
+    """A scheduler side and ``workers`` worker sides (tensor-parallel ranks 0, 1, ...), each
+    rank with tiers of its own, as if in a process of its own; ``geometry`` is one rank's."""
+    config = stand_in_config(geometry, extra, model, workers)
     kv_config = SimpleNamespace(num_blocks=num_blocks, kv_cache_tensors=[
         SimpleNamespace(shared_by=[layer_name(i)]) for i in range(geometry.num_layers)])
-    return (KVLabConnector(config, KVConnectorRole.SCHEDULER, kv_config),
-            KVLabConnector(config, KVConnectorRole.WORKER, kv_config))
+    scheduler = KVLabConnector(config, KVConnectorRole.SCHEDULER, kv_config)
+    group = []
+    for rank in range(workers):
+        worker = KVLabConnector(config, KVConnectorRole.WORKER, kv_config)
+        worker.worker.rank, worker.worker.workers = rank, workers
+        if workers > 1:  # one process per rank in vLLM: a memory tier each
+            worker.worker.store = KVStore(UNBOUNDED, promote=False, **worker.config.shared_store_options())
+        group.append(worker)
+    scheduler._driver_outputs = KVOutputAggregator(workers)
+    return scheduler, group
 
 
 @dataclass
@@ -125,34 +151,78 @@ def vllm_request(req_id: str, prompt: list[int], **fields: Any) -> SimpleNamespa
     return SimpleNamespace(request_id=req_id, prompt_token_ids=prompt, **{**defaults, **fields})
 
 
-def prefill(scheduler: KVLabConnector, worker: KVLabConnector, req_id: str, prompt: list[int],
+def empty_step() -> SchedulerOutput:
+    """A step that schedules nothing (vLLM still runs the connector's worker side)."""
+    return SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData.make_empty(),
+                           num_scheduled_tokens={}, total_num_scheduled_tokens=0, scheduled_spec_decode_tokens={},
+                           scheduled_encoder_inputs={}, finished_req_ids=set(), free_encoder_mm_hashes=[])
+
+
+def step(scheduler: KVLabConnector, workers: KVLabConnector | list[KVLabConnector], output: SchedulerOutput,
+         layerwise: bool = False, ascend_hooks: bool = False, finished: set[str] | None = None) -> dict[str, Any]:
+    """One engine step through both sides, in vLLM's order: the scheduler's metadata, each
+    worker's preemption check, loads, per-layer hooks, saves and reports (finished
+    requests, stored chunks, failed loads), combined over the workers as vLLM combines
+    them, which the scheduler reads. With ``ascend_hooks`` the per-layer calls go through
+    kvlab.hooks with one metadata object for every layer, as vllm-ascend's attention makes
+    them. Returns the combined report and the seconds the (first) worker blocked."""
+    workers = workers if isinstance(workers, list) else [workers]
+    meta = scheduler.build_connector_meta(output)
+    assert isinstance(meta, KVLabMetadata)
+    outputs, times = [], []
+    for worker in workers:
+        worker.handle_preemptions(meta)
+        worker.bind_connector_metadata(meta)
+        start = time.perf_counter()
+        worker.start_load_kv(None)
+        if ascend_hooks:
+            tokens = output.total_num_scheduled_tokens
+            with hooks.connector_active(worker, SimpleNamespace(num_actual_tokens=tokens)):
+                for name, kv in worker.cache.layers.items():
+                    hooks.wait_for_kv_layer_from_connector(name)
+                    hooks.maybe_save_kv_layer_to_connector(name, kv)
+        elif layerwise:
+            for name in worker.cache.layers:
+                worker.wait_for_layer_load(name)
+                worker.save_kv_layer(name, worker.cache.layers[name], None)
+        loaded = time.perf_counter()
+        worker.wait_for_save()
+        times.append((loaded - start, time.perf_counter() - loaded))
+        sending, _ = worker.get_finished(set(finished or ()))
+        report = KVConnectorOutput(finished_sending=sending, kv_connector_worker_meta=worker.build_connector_worker_meta(),
+                                   invalid_block_ids=worker.get_block_ids_with_load_errors())
+        outputs.append(replace(EMPTY_MODEL_RUNNER_OUTPUT, kv_connector_output=report))
+        worker.clear_connector_metadata()
+    combined = scheduler._driver_outputs.aggregate(outputs).kv_connector_output
+    scheduler.update_connector_output(combined)
+    return {"report": combined, "load_s": times[0][0], "save_s": times[0][1]}
+
+
+def settle(scheduler: KVLabConnector, workers: KVLabConnector | list[KVLabConnector],
+           finished: set[str] | None = None) -> set[str]:
+    """Let the workers' queued saves finish and report them (an empty step, as an engine
+    with nothing scheduled runs); returns the finished requests whose saves are done."""
+    for worker in workers if isinstance(workers, list) else [workers]:
+        worker.worker.flush()
+    return step(scheduler, workers, empty_step(), finished=finished)["report"].finished_sending or set()
+
+
+def prefill(scheduler: KVLabConnector, worker: KVLabConnector | list[KVLabConnector], req_id: str, prompt: list[int],
             block_ids: list[int], layerwise: bool = False, ascend_hooks: bool = False,
             **request_fields: Any) -> dict[str, Any]:
-    """One prefill step of one request through both sides, in vLLM's call order (lookup,
-    allocation, metadata, load, per-layer hooks, save). With ``ascend_hooks`` the per-layer
-    calls go through kvlab.hooks with one metadata object for every layer, as vllm-ascend's
-    attention makes them. ``request_fields`` set a vLLM Request's other fields
-    (``cache_salt``, ``lora_request``, ``mm_features``). Returns hits and times."""
+    """One request's prefill through both sides, as an engine runs it: the lookup (asked
+    again after an empty step while what would extend it is still being stored), the
+    allocation, one step, the request finished, its saves settled. ``request_fields`` set
+    a vLLM Request's other fields (``cache_salt``, ``lora_request``, ``mm_features``).
+    Returns hits, the seconds the worker blocked, and the step's reports."""
     request = vllm_request(req_id, prompt, **request_fields)
     hit, _ = scheduler.get_num_new_matched_tokens(request, 0)
+    while hit is None:
+        settle(scheduler, worker)
+        hit, _ = scheduler.get_num_new_matched_tokens(request, 0)
     scheduler.update_state_after_alloc(request, None, hit)
-    meta = scheduler.build_connector_meta(schedule(req_id, prompt, block_ids, hit))
-    assert isinstance(meta, KVLabMetadata)
-    worker.bind_connector_metadata(meta)
-    start = time.perf_counter()
-    worker.start_load_kv(None)
-    if ascend_hooks:
-        with hooks.connector_active(worker, SimpleNamespace(num_actual_tokens=len(prompt) - hit)):
-            for name, kv in worker.cache.layers.items():
-                hooks.wait_for_kv_layer_from_connector(name)
-                hooks.maybe_save_kv_layer_to_connector(name, kv)
-    elif layerwise:
-        for name in worker.cache.layers:
-            worker.wait_for_layer_load(name)
-            worker.save_kv_layer(name, worker.cache.layers[name], None)
-    loaded = time.perf_counter()
-    worker.wait_for_save()
-    saved = time.perf_counter()
-    worker.clear_connector_metadata()
-    scheduler.request_finished(request, block_ids)
-    return {"hit_tokens": hit, "load_s": loaded - start, "save_s": saved - loaded}
+    result = step(scheduler, worker, schedule(req_id, prompt, block_ids, hit), layerwise, ascend_hooks)
+    held, _ = scheduler.request_finished(request, block_ids)
+    released = settle(scheduler, worker, finished={req_id})
+    assert not held or req_id in released, "a held request's blocks are released once its saves are done"
+    return {"hit_tokens": hit, **result}

@@ -1,17 +1,17 @@
-"""The stores of this process's connectors, by name (a scheduler-side and a worker-side
-connector in one process share one), their counters, and experiment controls over them."""
+"""This process's connector state, by store name: the counters of its connectors and, in a
+worker process, the worker's tiers; with experiment controls over them, called in the
+process that holds them (``LLM.collective_rpc`` reaches a worker in another process)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 from kvlab.connector.config import ConnectorConfig
 from kvlab.store.store import KVStore
+from kvlab.store.tiers import StoreStats
 
-if TYPE_CHECKING:
-    pass
+# A worker's memory tier holds what the scheduler tells it to: the scheduler keeps the budget.
+UNBOUNDED = 1 << 62
 
 
 @dataclass
@@ -24,8 +24,9 @@ class ConnectorStats:
     saved_blocks: int = 0
     load_segments: int = 0  # contiguous runs copied (one per block for a cross-layer cache)
     save_segments: int = 0
-    load_seconds: float = 0.0
-    save_seconds: float = 0.0
+    load_seconds: float = 0.0  # the model runner blocked in loads
+    save_seconds: float = 0.0  # the model runner blocked in saves (queuing them, with async saves)
+    save_work_seconds: float = 0.0  # the saves' own work, beside the forward with async saves
     load_errors: int = 0  # loads that failed; vLLM recomputes their blocks
     save_errors: int = 0  # saves that failed; nothing stored, the request unaffected
     layout: str | None = None
@@ -33,45 +34,56 @@ class ConnectorStats:
 
 @dataclass
 class _Shared:
-    """One store and what the worker registered, shared by the scheduler-side and
-    worker-side connector of an engine (they live in the same process)."""
-
-    store: KVStore
-    signature: str | None = None
     stats: ConnectorStats = field(default_factory=ConnectorStats)
+    store_stats: StoreStats = field(default_factory=StoreStats)  # of every store opened in this process
+    store: KVStore | None = None  # a worker's tiers
 
 
-_SHARED: dict[tuple, _Shared] = {}
+_SHARED: dict[str, _Shared] = {}
 
 
 def shared(config: ConnectorConfig) -> _Shared:
-    """The store for ``config`` in this process, created on first use."""
-    key = (config.store_name, config.store, config.disk_path, config.store_bytes, config.disk_bytes, config.verify)
-    if key not in _SHARED:
-        disk = Path(config.disk_path).expanduser() if config.store == "disk" else None
-        _SHARED[key] = _Shared(KVStore(config.store_bytes, disk, config.disk_bytes, config.verify))
-    return _SHARED[key]
+    """This process's state for ``config``'s store name, created on first use."""
+    return _SHARED.setdefault(config.store_name, _Shared())
+
+
+def worker_store(config: ConnectorConfig) -> KVStore:
+    """A worker's tiers: its memory (kept as the scheduler says) and the shared tiers."""
+    entry = shared(config)
+    if entry.store is None:
+        entry.store = KVStore(UNBOUNDED, promote=False, stats=entry.store_stats, **config.shared_store_options())
+    return entry.store
+
+
+def lookup_store(config: ConnectorConfig) -> KVStore | None:
+    """The shared tiers as a scheduler looks them up (None when there are none)."""
+    if not config.shared_tiers:
+        return None
+    return KVStore(promote=False, stats=shared(config).store_stats, **config.shared_store_options())
 
 
 def reset_stores() -> None:
-    """Forget every in-process store (their disk folders stay)."""
+    """Forget every in-process store (their shared tiers stay)."""
     drop_memory_tiers()
     _SHARED.clear()
 
 
 def drop_memory_tiers() -> None:
-    """Empty every store's in-memory tier, so the next loads come from disk."""
+    """Empty every store's in-memory tier (its scheduler must forget it too:
+    ``reset_prefix_cache(reset_connector=True)`` does both)."""
     for entry in _SHARED.values():
-        entry.store.clear()
+        if entry.store is not None:
+            entry.store.clear()
 
 
 def zero_memory_tiers() -> None:
     """Zero every store's in-memory chunks (KVStore.zero_memory): the engine checks'
-    sensitivity control, called inside the engine process."""
+    sensitivity control, called inside the worker process."""
     for entry in _SHARED.values():
-        entry.store.zero_memory()
+        if entry.store is not None:
+            entry.store.zero_memory()
 
 
 def all_stats() -> dict[str, dict]:
     """Connector and store counters of every store in this process, by store name."""
-    return {key[0]: {**asdict(entry.stats), "store": asdict(entry.store.stats)} for key, entry in _SHARED.items()}
+    return {name: {**asdict(entry.stats), "store": asdict(entry.store_stats)} for name, entry in _SHARED.items()}

@@ -26,7 +26,8 @@ def registration_costs(geometry: ModelGeometry, tokens: int, ways: list[str], re
         samples = []
         for _ in range(repeats):
             reset_stores()
-            scheduler, worker = connector_pair(geometry, num_blocks)
+            # saves in the step, so that their time is the copy's (async saves hide it)
+            scheduler, worker = connector_pair(geometry, num_blocks, {"async_saves": False})
             register(worker, how, geometry, num_blocks)
             prompt = list(range(blocks * geometry.block_size + 1))
             cold = prefill(scheduler, worker, "cold", prompt, list(range(0, 2 * blocks + 2, 2)))

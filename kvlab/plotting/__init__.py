@@ -13,7 +13,13 @@ from kvlab.plotting.atlas import (
     segments_by_layout,
 )
 from kvlab.plotting.common import human_bytes, save_figure
-from kvlab.plotting.connector import hooks_timeline, registration_figure, ttft_figure
+from kvlab.plotting.connector import (
+    deployed_figure,
+    hooks_timeline,
+    network_tier_figure,
+    registration_figure,
+    ttft_figure,
+)
 from kvlab.plotting.transfer import (
     bandwidth_vs_tokens,
     break_even_figure,
@@ -27,5 +33,5 @@ __all__ = [
     "human_bytes", "save_figure", "COLOUR_BY", "miniature", "draw_memory_map", "memory_map", "segment_scaling",
     "segments_by_layout", "atlas", "transfer_ratios", "bandwidth_vs_tokens", "cost_model_figure",
     "break_even_figure", "layerwise_figure", "hardware_figure", "hooks_timeline", "ttft_figure",
-    "registration_figure", "roundtrip_figure", "accuracy_figure", "comparison_figure",
+    "registration_figure", "deployed_figure", "network_tier_figure", "roundtrip_figure", "accuracy_figure", "comparison_figure",
 ]

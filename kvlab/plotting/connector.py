@@ -1,5 +1,6 @@
 """Figures of notebook 03: the layerwise hooks' timeline, time to first token, per-layer
-against cross-layer hand-over."""
+against cross-layer hand-over, the connector as vLLM deploys it, and a prefix through a
+network tier per layout."""
 
 from __future__ import annotations
 
@@ -76,9 +77,65 @@ def registration_figure(rows: Sequence[dict], title: str = "") -> plt.Figure:
         for i, v in enumerate(values):
             ax.text(v, i, f" {v:.0f}" if key == "load_segments" else f" {v:.1f}", va="center", fontsize=7)
         ax.set_xlabel(xlabel)
-    axes[0].set_xscale("log")
-    axes[0].set_yticks(range(len(rows)), labels, fontsize=7)
+    return _rows_labelled(fig, axes, labels, title + " (green: cross-layer)", log_first=True)
+
+
+def deployed_figure(serving: Sequence[dict], title: str = "") -> plt.Figure:
+    """vLLM's default process layout: each connector's time-to-first-token overhead over
+    the same engine's own prefix hit, and the model runner's milliseconds in save calls
+    per cold prompt. ``serving`` are kvlab.experiments.deployed.serving_costs rows."""
+    rows = [r for r in serving if r.get("overhead_s") is not None]
+    fig, axes = plt.subplots(1, 2, figsize=(9, 0.9 + 0.45 * max(len(rows), 1)), sharey=True)
+    labels = [r["engine"] for r in rows]
+    colours = [connector_colour(r["connector"]) for r in rows]
+    for ax, key, xlabel in ((axes[0], "overhead_s", "TTFT over the engine's own prefix hit (ms)"),
+                            (axes[1], "runner_save_s", "model runner in save calls, per cold prompt (ms)")):
+        values = [1e3 * r[key] for r in rows]
+        ax.barh(range(len(rows)), values, 0.6, color=colours)
+        for i, v in enumerate(values):
+            ax.text(max(v, 0), i, f" {v:.1f}", va="center", fontsize=7)
+        ax.set_xlabel(xlabel, fontsize=8)
+    return _rows_labelled(fig, axes, labels, title)
+
+
+LMCACHE_COLOUR = "#9467bd"  # not Reuse.LMCACHE's green: green marks cross-layer rows here
+
+
+def network_tier_figure(rows: Sequence[dict], title: str = "") -> plt.Figure:
+    """A prefix through a Redis server, per layout and strategy: objects per chunk, and the
+    store and fetch times against the server's own ceiling (the same bytes as one ready
+    value per chunk, dashed). ``rows`` are kvlab.experiments.network.redis_prefix_costs rows."""
+    rows = list(rows)
+    fig, axes = plt.subplots(1, 3, figsize=(11, 0.9 + 0.4 * max(len(rows), 1)), sharey=True)
+    labels = [f"{r['layout']}: {r['strategy']}" for r in rows]
+    colours = [LMCACHE_COLOUR if r["strategy"].startswith("LMCache") else
+               "#2ca02c" if r["cross_layer"] else "#1f77b4" for r in rows]
+    panels = ((axes[0], "objects_per_chunk", None, "Redis objects per chunk (log)"),
+              (axes[1], "store_s", "ceiling_store_s", "store the prefix (ms)"),
+              (axes[2], "fetch_s", "ceiling_fetch_s", "fetch the prefix (ms)"))
+    for ax, key, ceiling, xlabel in panels:
+        scale = 1 if ceiling is None else 1e3
+        values = [scale * r[key] for r in rows]
+        ax.barh(range(len(rows)), values, 0.6, color=colours)
+        for i, v in enumerate(values):
+            ax.text(v, i, f" {v:.0f}" if ceiling is None else f" {v:.1f}", va="center", fontsize=7)
+        if ceiling is not None:
+            for i, r in enumerate(rows):
+                if r[ceiling] is not None:
+                    ax.plot([1e3 * r[ceiling]] * 2, [i - 0.35, i + 0.35], color="black", ls="--", lw=0.8)
+        ax.set_xlabel(xlabel, fontsize=8)
+    return _rows_labelled(fig, axes, labels, title + " (green: cross-layer; purple: LMCache; dashed: one ready value "
+                                              "per chunk)", log_first=True)
+
+
+def _rows_labelled(fig: plt.Figure, axes: Sequence[plt.Axes], labels: list[str], title: str,
+                   log_first: bool = False) -> plt.Figure:
+    """Finish panels of horizontal bars sharing their rows: labels on the first panel (the
+    first row on top), a log scale there if asked, the title."""
+    if log_first:
+        axes[0].set_xscale("log")
+    axes[0].set_yticks(range(len(labels)), labels, fontsize=7)
     axes[0].invert_yaxis()
-    fig.suptitle(title + " (green: cross-layer)", fontsize=9)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     return fig

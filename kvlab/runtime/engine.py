@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvlab.runtime import worker_calls
 from kvlab.runtime.configs import kv_transfer_config
 from kvlab.runtime.processes import run_child
 
@@ -32,6 +33,8 @@ class EngineSpec:
     connector sample with a floor sample of the same prompt in the same engine.
     "warm-zeroed" runs after everything else: KVLabConnector's in-memory chunks are
     zeroed first, so its outputs show whether a check is sensitive to the reloaded KV.
+    "warm-redis-down" runs last: the Redis server of ``extra["redis_url"]`` is shut down
+    first, as a crash would, so the connector must miss (or fail its loads) and recompute.
 
     ``batch`` sends all prompts of a phase in one call (task runs: faster, and no
     per-prompt timing); ``max_num_batched_tokens`` at least the batch's prompt tokens
@@ -55,6 +58,21 @@ class EngineSpec:
     stop: tuple[str, ...] = ()
     max_num_batched_tokens: int | None = None
     lora_adapters: dict[str, str] = field(default_factory=dict)
+    multiprocessing: bool = False  # vLLM's default process layout (engine core and workers apart)
+    tensor_parallel_size: int = 1  # > 1 implies multiprocessing: one worker process per rank
+
+    def environment(self) -> dict[str, str]:
+        """What the engine process needs on top of the pinned threads: vLLM's default
+        process layout, and one core per tensor-parallel rank (vLLM's CPU build binds
+        ranks to NUMA nodes, and a small machine has one)."""
+        env = {}
+        if self.multiprocessing or self.tensor_parallel_size > 1:
+            # kvlab reads the workers' counters and clocks with LLM.collective_rpc(function), which
+            # vLLM sends to another process only by pickle: this engine's own processes, on one host
+            env.update(VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+        if self.tensor_parallel_size > 1:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(rank) for rank in range(self.tensor_parallel_size))
+        return env
 
 
 def check_inputs(model: str | Path, prompts: list[list[int]]) -> None:
@@ -93,8 +111,8 @@ def run_engine(spec: EngineSpec, prompts: list[list[int]], timeout: float = 900,
         raise ValueError(f"a prompt of {max(map(len, prompts))} tokens plus its output does not fit in "
                          f"max_model_len={spec.max_model_len}")
     return run_child("kvlab.runtime.engine", {"spec": asdict(spec), "prompts": prompts, "forced": forced,
-                                      "salts": salts, "loras": loras},
-                     f"engine {spec.connector} on {spec.model}", timeout)
+                                              "salts": salts, "loras": loras},
+                     f"engine {spec.connector} on {spec.model}", timeout, spec.environment())
 
 
 def _forced_tokens_processor() -> type:
@@ -123,42 +141,8 @@ def _forced_tokens_processor() -> type:
     return ForcedTokens
 
 
-class _ConnectorClock:
-    """Seconds the model runner spends inside the connector's worker-side calls (loads:
-    ``start_load_kv``, ``wait_for_layer_load``; saves: ``save_kv_layer``,
-    ``wait_for_save``), whatever the connector class: what a forward pass pays for it."""
-
-    CALLS = {"start_load_kv": "load_s", "wait_for_layer_load": "load_s",
-             "save_kv_layer": "save_s", "wait_for_save": "save_s"}
-
-    def __init__(self, transfer: dict | None) -> None:
-        self.seconds = {"load_s": 0.0, "save_s": 0.0}
-        if transfer is None:
-            return
-        from vllm.config import KVTransferConfig
-        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
-        cls = KVConnectorFactory.get_connector_class(KVTransferConfig(**transfer))
-        for name, bucket in self.CALLS.items():
-            setattr(cls, name, self._timed(getattr(cls, name), bucket))
-
-    def _timed(self, method, bucket: str):
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                self.seconds[bucket] += time.perf_counter() - start
-        return timed
-
-    def read(self) -> dict[str, float]:
-        """The seconds since the last read."""
-        spent, self.seconds = self.seconds, {"load_s": 0.0, "save_s": 0.0}
-        return spent
-
-
 # Phases run before (cold) and after (warm-zeroed) the prompt-by-prompt ones.
-FIRST_PHASES, LAST_PHASES = ("cold",), ("warm-zeroed",)
+FIRST_PHASES, LAST_PHASES = ("cold",), ("warm-zeroed", "warm-redis-down")
 
 
 def _schedule(phases: tuple[str, ...], prompts: int, batch: bool) -> list[tuple[str, list[int]]]:
@@ -182,8 +166,6 @@ def _child(job_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    from kvlab.connector.stores import drop_memory_tiers, zero_memory_tiers
-
     job = json.loads(Path(job_path).read_text())
     spec = EngineSpec(**{**job["spec"], "stop": tuple(job["spec"]["stop"])})
     forced = job.get("forced") or [None] * len(job["prompts"])
@@ -196,10 +178,10 @@ def _child(job_path: str, out_path: str) -> None:
         from kvlab.runtime.vllm_cpu import fix_vllm_cpu_kernel_scan
 
         fix_vllm_cpu_kernel_scan()
-    clock = _ConnectorClock(transfer)
     llm = LLM(model=spec.model, dtype=spec.dtype, block_size=spec.block_size, enforce_eager=True,
               enable_prefix_caching=spec.prefix_caching, max_model_len=spec.max_model_len, seed=0,
               max_num_batched_tokens=spec.max_num_batched_tokens, **_lora_options(spec),
+              tensor_parallel_size=spec.tensor_parallel_size,
               kv_transfer_config=KVTransferConfig(**transfer) if transfer else None,
               logits_processors=[_forced_tokens_processor()] if any(forced) else None)
 
@@ -209,14 +191,19 @@ def _child(job_path: str, out_path: str) -> None:
                                   extra_args={"forced_tokens": tokens})
         return SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, logprobs=1, stop=list(spec.stop) or None)
 
+    llm.collective_rpc(worker_calls.start_clock, args=(transfer,))  # in each worker, where the connector runs
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], params(None), use_tqdm=False)  # warm-up, no shared prefix
-    clock.read()
+    llm.collective_rpc(worker_calls.read_clock)
     result: dict[str, Any] = {"phases": {}}
     for phase, indices in _schedule(spec.phases, len(job["prompts"]), spec.batch):
-        if phase == "warm-disk":
-            drop_memory_tiers()
+        if phase == "warm-disk":  # the connector forgets its memory tiers; what it wrote through stays
+            llm.reset_prefix_cache(reset_connector=True)
         if phase == "warm-zeroed":
-            zero_memory_tiers()
+            llm.collective_rpc(worker_calls.zero_memory)
+        if phase == "warm-redis-down":
+            from kvlab.runtime.redis import shut_down
+
+            shut_down(spec.extra["redis_url"])
         if phase.startswith("warm") and spec.prefix_caching:
             llm.reset_prefix_cache()  # vLLM's own copy goes; the connector's store stays
         start = time.perf_counter()
@@ -225,7 +212,7 @@ def _child(job_path: str, out_path: str) -> None:
         outputs = llm.generate(requests, [params(forced[i]) for i in indices], use_tqdm=False,
                                lora_request=[loras[i] for i in indices] if spec.lora_adapters else None)
         seconds = time.perf_counter() - start
-        spent = clock.read()
+        spent = llm.collective_rpc(worker_calls.read_clock)[0]
         for index, output in zip(indices, outputs):
             completion = output.outputs[0]
             result["phases"].setdefault(phase, []).append({
@@ -235,9 +222,8 @@ def _child(job_path: str, out_path: str) -> None:
                 "logprobs": [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)],
             })
     if spec.connector == "kvlab":
-        from kvlab.connector.stores import all_stats
-
-        result["connector"] = all_stats()
+        result["ranks"] = llm.collective_rpc(worker_calls.connector_stats)
+        result["connector"] = result["ranks"][0]
     Path(out_path).write_text(json.dumps(result))
 
 

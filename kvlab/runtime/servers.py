@@ -7,10 +7,9 @@ core), so nothing is left running even when the code inside the block fails. The
 output goes to ``server.log_path``; start-up errors quote its tail. That life cycle
 (:class:`ManagedServer`) is shared with kvlab.runtime.lmcache's ``lmcache server``.
 
-The engine runs on the same pinned threads as kvlab.runtime.engine. With KVLabConnector, vLLM's
-CPU worker must stay inside the engine-core process: the connector's scheduler side and
-worker side share one in-process store, and on CPU vLLM otherwise moves the worker into a
-process of its own (its "mp" executor), where the scheduler never sees what was saved.
+The engine runs on the same pinned threads as kvlab.runtime.engine, in vLLM's default
+process layout: the API server, the engine core (the connector's scheduler side) and the
+worker (the connector's worker side, with the KV) are three processes.
 """
 
 from __future__ import annotations
@@ -225,6 +224,14 @@ class VLLMServer(ManagedServer):
 
     ``port`` None picks a free one. ``log_path`` None writes the log into a new temporary
     file, which is kept after the server stops so it can be read.
+
+    ``vllm_defaults`` runs the command a user copies from a connector's README: the model,
+    the address, ``--enable-prompt-tokens-details`` (to see ``cached_tokens``) and the
+    ``--kv-transfer-config`` naming the connector, with vLLM's own defaults for everything
+    else (dtype, block size, prefix caching, compilation, max length, load-failure policy)
+    and no thread pins; only ``VLLM_CPU_KVCACHE_SPACE`` (a small machine cannot give vLLM's
+    default share of its memory) is set. The other fields but ``connector`` and ``extra``
+    are then ignored.
     """
 
     model: str | Path
@@ -241,6 +248,7 @@ class VLLMServer(ManagedServer):
     stop_grace: float = 20.0  # seconds between SIGTERM and SIGKILL
     request_timeout: float = 300.0
     env: dict[str, str] = field(default_factory=dict)  # overrides on top of the pinned environment
+    vllm_defaults: bool = False
     process: subprocess.Popen | None = field(default=None, init=False, repr=False)
     startup_seconds: float | None = field(default=None, init=False)
 
@@ -252,13 +260,18 @@ class VLLMServer(ManagedServer):
 
     @property
     def served_model_name(self) -> str:
-        return self.model_folder.name
+        return str(self.model_folder) if self.vllm_defaults else self.model_folder.name
 
     @property
     def model_folder(self) -> Path:
         return _resolve_model(self.model)
 
     def command(self) -> list[str]:
+        if self.vllm_defaults:
+            transfer = {k: v for k, v in kv_transfer_config(self.connector, self.extra, self.workdir).items()
+                        if k != "kv_load_failure_policy"}
+            return [str(_vllm_executable()), "serve", str(self.model_folder), "--host", HOST, "--port", str(self.port),
+                    "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(transfer)]
         args = [str(_vllm_executable()), "serve", str(self.model_folder), "--host", HOST, "--port", str(self.port),
                 "--served-model-name", self.served_model_name, "--dtype", self.dtype,
                 "--block-size", str(self.block_size), "--max-model-len", str(self.max_model_len),
@@ -270,10 +283,11 @@ class VLLMServer(ManagedServer):
         return args
 
     def environment(self) -> dict[str, str]:
-        """The pinned threads of kvlab.runtime.engine. Only KVLabConnector gets the worker kept in the
-        engine-core process (see the module docstring); the API server and the engine core
-        are two processes either way."""
-        pinned = {k: v for k, v in PINNED_ENV.items() if self.connector == "kvlab" or k != SINGLE_PROCESS_ENGINE}
+        """The pinned threads of kvlab.runtime.engine, in vLLM's own process layout (API
+        server, engine core and worker apart), whatever the connector."""
+        if self.vllm_defaults:
+            return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": PINNED_ENV["VLLM_CPU_KVCACHE_SPACE"], **self.env}
+        pinned = {k: v for k, v in PINNED_ENV.items() if k != SINGLE_PROCESS_ENGINE}
         return {**os.environ, **pinned, **self.env}
 
     def _ready(self) -> bool:
@@ -289,14 +303,22 @@ class VLLMServer(ManagedServer):
         ``usage.prompt_tokens_details.cached_tokens`` counts prompt tokens that were not
         computed (vLLM's prefix cache or the connector)."""
         body = {"model": self.served_model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **kw}
-        request = urllib.request.Request(f"{self.url}/v1/completions", data=json.dumps(body).encode(),
+        return self._post("/v1/completions", body)
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty vLLM's own prefix cache (the connector's tiers stay), so a repeat can only be
+        served by the connector. vLLM serves this only with ``VLLM_SERVER_DEV_MODE=1``."""
+        return bool(self._post("/reset_prefix_cache", None)["success"])
+
+    def _post(self, path: str, body: dict | None) -> dict:
+        request = urllib.request.Request(f"{self.url}{path}", data=json.dumps(body or {}).encode(), method="POST",
                                          headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(request, timeout=self.request_timeout) as response:
                 return json.loads(response.read())
         except urllib.error.HTTPError as error:
-            raise ServerError(f"POST /v1/completions answered {error.code}: "
+            raise ServerError(f"POST {path} answered {error.code}: "
                               f"{error.read().decode(errors='replace')[:2000]}") from error
         except urllib.error.URLError as error:
-            raise ServerError(f"POST /v1/completions to {self.url} failed ({error.reason}); "
+            raise ServerError(f"POST {path} to {self.url} failed ({error.reason}); "
                               f"the last lines of {self.log_path}:\n{log_tail(self.log_path)}") from error

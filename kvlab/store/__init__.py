@@ -3,11 +3,23 @@
 composed by :class:`KVStore`. Needs torch only; docs/reliability.md says what it promises."""
 
 from kvlab.store.chunk import Chunk, checksum
-from kvlab.store.keys import block_hashes, folder_fingerprint, signature, valid_key
+from kvlab.store.keys import block_hashes, folder_fingerprint, shard_key, signature, valid_key
 from kvlab.store.store import KVStore
-from kvlab.store.tiers import RETRY_FIRST_S, RETRY_MAX_S, STALE_TMP_S, DiskTier, MemoryTier, StoreStats, Tier
+from kvlab.store.tiers import (
+    RETRY_FIRST_S,
+    RETRY_MAX_S,
+    STALE_TMP_S,
+    DiskTier,
+    MemoryTier,
+    RedisTier,
+    SharedMemoryTier,
+    StoreStats,
+    Tier,
+)
 
 __all__ = [
+    "RedisTier", "SharedMemoryTier",
+    "shard_key",
     "valid_key", "block_hashes", "signature", "folder_fingerprint", "checksum", "Chunk", "RETRY_FIRST_S",
     "RETRY_MAX_S", "STALE_TMP_S", "StoreStats", "Tier", "MemoryTier", "DiskTier", "KVStore",
 ]

@@ -6,11 +6,9 @@ schema before anything in it is used."""
 from __future__ import annotations
 
 import json
-import os
 import struct
 from dataclasses import dataclass, fields
-from pathlib import Path
-from typing import Sequence
+from typing import BinaryIO, Sequence
 
 import google_crc32c
 import torch
@@ -62,7 +60,7 @@ class Chunk:
 
 
 @dataclass(frozen=True)
-class _Header:
+class Header:
     """A chunk file's header, checked against the schema; built from untrusted bytes."""
 
     block_keys: list[str]
@@ -84,11 +82,29 @@ def _geometry_fields(g: ModelGeometry) -> dict:
             "kv_lora_rank": g.kv_lora_rank, "qk_rope_head_dim": g.qk_rope_head_dim}
 
 
-def _parse_header(f, path: Path) -> _Header:
-    """Read and check a chunk file's header against the schema: every field present with
-    its type, keys that are hex digests (the last one the file's name), a known layout and
-    dtype, and a payload whose size the layout implies and the file has. ValueError for
-    anything else, never another exception from the file's contents."""
+def encode_header(chunk: Chunk) -> bytes:
+    """The bytes before a chunk's payload, in a file or in any other store's value."""
+    buffer = chunk.buffer
+    header = json.dumps({
+        "block_keys": chunk.block_keys, "signature": chunk.signature, "crc": chunk.crc,
+        "layout": buffer.layout.name, "num_blocks": buffer.num_blocks,
+        "geometry": _geometry_fields(buffer.geometry),
+        "tensors": [list(t.shape) for t in buffer.storage],
+    }).encode()
+    return _MAGIC + struct.pack("<Q", len(header)) + header
+
+
+def payload(chunk: Chunk) -> list[memoryview]:
+    """The chunk's bytes after its header, one view per backing tensor (no copy)."""
+    return [t.contiguous().view(torch.uint8).reshape(-1).numpy().data for t in chunk.buffer.storage]
+
+
+def parse_header(f: BinaryIO, chunk_key: str, size: int) -> Header:
+    """Read and check a stored chunk's header against the schema: every field present with
+    its type, keys that are hex digests (the last one ``chunk_key``, the name it is stored
+    under), a known layout and dtype, and a payload whose size the layout implies and the
+    stored object (``size`` bytes) has. ValueError for anything else, never another
+    exception from the contents."""
     start = len(_MAGIC) + 8
     head = f.read(start)
     if len(head) < start or not head.startswith(_MAGIC):
@@ -106,8 +122,8 @@ def _parse_header(f, path: Path) -> _Header:
     keys = header.get("block_keys")
     if not isinstance(keys, list) or not 0 < len(keys) <= _MAX_CHUNK_BLOCKS or not all(map(valid_key, keys)):
         raise ValueError("block_keys must be a list of hex digests")
-    if path.name != f"{keys[-1]}{_SUFFIX}":
-        raise ValueError(f"the file holds chunk {keys[-1]}, not the one its name says")
+    if keys[-1] != chunk_key:
+        raise ValueError(f"it holds chunk {keys[-1]}, not the one it is stored as")
     sig, crc, layout = header.get("signature"), header.get("crc"), header.get("layout")
     if not isinstance(sig, str) or len(sig) > 4096:
         raise ValueError("signature must be a string")
@@ -129,19 +145,19 @@ def _parse_header(f, path: Path) -> _Header:
         raise ValueError(f"geometry refused: {error}") from None
     # the size first: allocations() of an absurd geometry would take forever
     payload_start, payload_bytes = start + length, len(keys) * g.block_bytes
-    file_size = os.fstat(f.fileno()).st_size
-    if file_size != payload_start + payload_bytes:
-        raise ValueError(f"file has {file_size} bytes, its header says {payload_start + payload_bytes}")
+    if size != payload_start + payload_bytes:
+        raise ValueError(f"it has {size} bytes, its header says {payload_start + payload_bytes}")
     try:
         shapes = [list(alloc.sizes) for alloc in allocations(layout, g, len(keys))]
     except ValueError as error:
         raise ValueError(f"layout refused: {error}") from None
     if header.get("tensors") != shapes:
         raise ValueError("tensor shapes do not match the layout")
-    return _Header(keys, sig, crc, layout, g, payload_bytes, payload_start)
+    return Header(keys, sig, crc, layout, g, payload_bytes, payload_start)
 
 
-def _chunk_from(header: _Header, flat: torch.Tensor) -> Chunk:
+def chunk_from(header: Header, flat: torch.Tensor) -> Chunk:
+    """The chunk a checked header and its payload bytes describe (not yet checksummed)."""
     tensors, offset = [], 0
     for alloc in allocations(header.layout, header.geometry, len(header.block_keys)):
         count = alloc.numel * header.geometry.itemsize

@@ -38,6 +38,14 @@ def block_hashes(token_ids: Sequence[int], block_size: int, seed: str,
     return out
 
 
+def shard_key(key: str, rank: int, workers: int) -> str:
+    """The key of one worker's shard of a block or chunk under tensor parallelism (each
+    worker holds its own kv heads); the key itself with one worker."""
+    if workers == 1:
+        return key
+    return hashlib.blake2b(f"{key}|shard {rank} of {workers}".encode(), digest_size=16).hexdigest()
+
+
 def signature(cache: KVCache) -> str:
     """What a chunk must match to be loaded into ``cache``: model geometry, dtype, layout."""
     g = cache.geometry

@@ -1,5 +1,5 @@
-"""Where KVLabConnector keeps offloaded KV: :class:`KVStore` composes the tiers (memory, then
-disk). A chunk that fails its checksum, whose file header does not parse, or that was
+"""Where KVLabConnector keeps offloaded KV: :class:`KVStore` composes the tiers (memory,
+then host-shared memory, disk and Redis). A chunk that fails its checksum, whose file header does not parse, or that was
 written for another model or layout is a miss (and is dropped), never loaded. A full
 store evicts least recently *used* chunks, a prompt's tail before its head; a tier that
 fails (a full or read-only disk) is logged once, counted and paused; no error of a tier
@@ -16,16 +16,20 @@ import torch
 
 from kvlab.store.chunk import Chunk
 from kvlab.store.keys import valid_key
-from kvlab.store.tiers import DiskTier, MemoryTier, StoreStats
+from kvlab.store.tiers import DiskTier, MemoryTier, RedisTier, SharedMemoryTier, StoreStats, Tier
 
 
 @dataclass
 class KVStore:
     """Chunks by key in host memory (LRU within ``capacity_bytes``), written through to
-    ``disk_path`` when given (LRU by last use within ``disk_capacity_bytes``).
+    the shared tiers given: a host-shared memory folder (``shm_path``), a disk folder
+    (``disk_path``, LRU by last use within ``disk_capacity_bytes``) and a Redis server
+    (``redis_url``), looked up in that order.
 
-    ``verify`` is "disk" (check the CRC of every chunk read from disk; trust chunks this
-    process sealed in memory) or "always" (also at every memory hit, ~4 ms per 46 MB).
+    ``verify`` is "disk" (check the CRC of every chunk read from a shared tier; trust
+    chunks this process sealed in memory) or "always" (also at every memory hit, ~4 ms per
+    46 MB). ``promote`` keeps chunks read from a shared tier in memory (off where another
+    process decides what the memory tier holds).
     """
 
     capacity_bytes: int = 2 << 30
@@ -33,9 +37,13 @@ class KVStore:
     disk_capacity_bytes: int = 16 << 30
     verify: str = "disk"
     stats: StoreStats = field(default_factory=StoreStats)
+    shm_path: str | Path | None = None
+    shm_capacity_bytes: int = 4 << 30
+    redis_url: str | None = None
+    promote: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("capacity_bytes", "disk_capacity_bytes"):
+        for name in ("capacity_bytes", "disk_capacity_bytes", "shm_capacity_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive number of bytes, got {value!r}")
@@ -43,10 +51,27 @@ class KVStore:
             raise ValueError(f"verify must be 'always' or 'disk', got {self.verify!r}")
         self._lock = threading.RLock()
         self.memory = MemoryTier(self.capacity_bytes, self.stats)
-        self.disk: DiskTier | None = None
+        self.shared: list[Tier] = []
+        if self.shm_path is not None:
+            self.shm_path = Path(self.shm_path)
+            self.shared.append(SharedMemoryTier(self.shm_path, self.shm_capacity_bytes, self.stats))
         if self.disk_path is not None:
             self.disk_path = Path(self.disk_path)
-            self.disk = DiskTier(self.disk_path, self.disk_capacity_bytes, self.stats)
+            self.shared.append(DiskTier(self.disk_path, self.disk_capacity_bytes, self.stats))
+        if self.redis_url is not None:
+            self.shared.append(RedisTier(self.redis_url, self.stats))
+
+    @property
+    def disk(self) -> DiskTier | None:
+        """The disk tier, if there is one."""
+        return next((tier for tier in self.shared if tier.name == "disk"), None)
+
+    def tier(self, name: str) -> Tier:
+        """A tier by name ("memory", "shm", "disk", "redis")."""
+        for tier in [self.memory, *self.shared]:
+            if tier.name == name:
+                return tier
+        raise ValueError(f"this store has no {name!r} tier; it has {[t.name for t in [self.memory, *self.shared]]}")
 
     @property
     def bytes(self) -> int:
@@ -55,16 +80,18 @@ class KVStore:
 
     # ---- lookups -------------------------------------------------------------------
     def locate(self, block_key: str) -> tuple[str, int] | None:
-        """(chunk key, position in the chunk) of a stored block, memory or disk."""
+        """(chunk key, position in the chunk) of a stored block, in the first tier that has it."""
         with self._lock:
-            found = self.memory.locate(block_key)
-            if found is None and self.disk is not None:
-                found = self.disk.locate(block_key)
-            return found
+            for tier in [self.memory, *self.shared]:
+                found = tier.locate(block_key)
+                if found is not None:
+                    return found
+            return None
 
     def get(self, chunk_key: str, expect: str | None = None) -> Chunk | None:
         """The chunk, checked (checksum and, when given, signature); None on a miss.
-        A chunk found only on disk is read, checked and kept in memory if it fits."""
+        A chunk found only in a shared tier is read, checked and (``promote``) kept in
+        memory if it fits."""
         with self._lock:
             chunk = self.memory.get(chunk_key)
             if chunk is not None:
@@ -72,11 +99,14 @@ class KVStore:
                     self.stats.corrupt += 1
                     self.discard(chunk_key)
                     return None
-            elif self.disk is not None and valid_key(chunk_key):
-                chunk = self.disk.get(chunk_key)  # its header names it: a swapped file is a miss
+            elif valid_key(chunk_key):
+                for tier in self.shared:  # a chunk's header names it: a swapped file is a miss
+                    chunk = tier.get(chunk_key)
+                    if chunk is not None:
+                        break
                 if chunk is None:
                     return None
-                if chunk.nbytes <= self.memory.capacity_bytes:
+                if self.promote and chunk.nbytes <= self.memory.capacity_bytes:
                     self.memory.put(chunk)
             else:
                 return None
@@ -112,7 +142,7 @@ class KVStore:
         """Is this chunk here and trusted (in memory, or a file this process checked)?
         A file only indexed, never read, may be damaged: saving over it repairs it."""
         with self._lock:
-            return chunk_key in self.memory or (self.disk is not None and self.disk.verified(chunk_key))
+            return chunk_key in self.memory or any(tier.verified(chunk_key) for tier in self.shared)
 
     # ---- updates -------------------------------------------------------------------
     def put(self, chunk: Chunk) -> bool:
@@ -121,16 +151,17 @@ class KVStore:
         fault: a full or failing store never fails a request."""
         with self._lock:
             kept = self.memory.put(chunk)
-            written = self.disk.put(chunk) if self.disk is not None else False
-            self.stats.stored += kept or written
-            return kept or written
+            written = [tier.put(chunk) for tier in self.shared]
+            self.stats.stored += kept or any(written)
+            return kept or any(written)
 
     def discard(self, chunk_key: str, disk: bool = True) -> None:
-        """Forget a chunk (and its file, unless ``disk`` is False)."""
+        """Forget a chunk (and its copies in the shared tiers, unless ``disk`` is False)."""
         with self._lock:
             self.memory.discard(chunk_key)
-            if disk and self.disk is not None and valid_key(chunk_key):
-                self.disk.discard(chunk_key)
+            if disk and valid_key(chunk_key):
+                for tier in self.shared:
+                    tier.discard(chunk_key)
 
     def clear(self) -> None:
         """Empty the memory tier (the disk tier stays): the next loads come from disk."""
@@ -162,5 +193,5 @@ class KVStore:
     def _mark_used(self, chunk_keys: Sequence[str]) -> None:
         for key in chunk_keys:
             self.memory.get(key)
-            if self.disk is not None:
-                self.disk.touch(key)
+            for tier in self.shared:
+                tier.touch(key)

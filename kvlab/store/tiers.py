@@ -1,25 +1,27 @@
-"""The store's tiers behind one protocol: host memory within a byte budget, and a disk
-folder that outlives the process and may be shared by several processes at once. Every
-fault of a tier is absorbed, counted in :class:`StoreStats` and logged once."""
+"""The store's tiers behind one protocol: host memory within a byte budget; a disk folder
+that outlives the process and may be shared by several processes at once; the same folder
+in host-shared memory (``/dev/shm``, mapped without copying: every process and engine on a
+host); a Redis server (other hosts). Every fault of a tier is absorbed, counted in
+:class:`StoreStats` and logged once."""
 
 from __future__ import annotations
 
 import errno
-import json
+import io
 import logging
 import os
 import re
 import socket
-import struct
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, BinaryIO, Callable, Protocol
 
+import numpy as np
 import torch
 
-from kvlab.store.chunk import _MAGIC, _SUFFIX, Chunk, _chunk_from, _geometry_fields, _parse_header
+from kvlab.store.chunk import _SUFFIX, Chunk, Header, chunk_from, encode_header, parse_header, payload
 from kvlab.store.keys import valid_key
 
 logger = logging.getLogger("kvlab.store")
@@ -43,7 +45,9 @@ class StoreStats:
     evicted: int = 0
     corrupt: int = 0  # checksum, payload or header failed: a miss
     mismatched: int = 0  # another model, dtype or layout: a miss
-    disk_reads: int = 0
+    disk_reads: int = 0  # chunks read from each shared tier (checked or not)
+    shm_reads: int = 0
+    redis_reads: int = 0
     bad_headers: int = 0  # files skipped because their header failed the schema
     read_errors: int = 0  # a file that could not be read (I/O error): a miss
     write_errors: int = 0  # a chunk the disk tier could not write (full, read-only, ...)
@@ -51,18 +55,44 @@ class StoreStats:
     disk_skipped: int = 0  # chunks not written: larger than the disk budget, or the tier paused
     stale_tmp_removed: int = 0  # partial files of writers that died
 
+    def read_from(self, tier: str) -> None:
+        """Count a chunk read from the shared tier named ``tier``."""
+        setattr(self, f"{tier}_reads", getattr(self, f"{tier}_reads") + 1)
+
 
 class Tier(Protocol):
-    """One place chunks live. ``locate`` answers from an index; ``get`` may read."""
+    """One place chunks live. ``locate`` answers from an index; ``get`` reads and checks.
+    ``shared`` tiers are seen by every process that opens them (so a scheduler can look
+    up what a worker wrote); the memory tier is its process's own."""
+
+    name: str
+    shared: bool
 
     def locate(self, block_key: str) -> tuple[str, int] | None: ...
+    def locate_many(self, block_keys: list[str]) -> list[tuple[str, int] | None]: ...  # one round trip
     def get(self, chunk_key: str) -> Chunk | None: ...
     def put(self, chunk: Chunk) -> bool: ...
     def discard(self, chunk_key: str) -> None: ...
+    def verified(self, chunk_key: str) -> bool: ...  # read and checked (or written) by this process
+    def touch(self, chunk_key: str) -> None: ...  # used now: eviction follows use
+
+
+def unlist(chunks: dict[str, Any], blocks: dict[str, tuple[str, int]], chunk_key: str) -> Any | None:
+    """Take ``chunk_key`` out of a chunk list and its block map (block key -> chunk key,
+    position), leaving blocks a newer chunk holds; returns the entry, None when unlisted.
+    The books of the memory tier and of the scheduler's index of the workers' memory."""
+    entry = chunks.pop(chunk_key, None)
+    if entry is not None:
+        for key in entry.block_keys:
+            if blocks.get(key, (None,))[0] == chunk_key:
+                del blocks[key]
+    return entry
 
 
 class MemoryTier:
     """Chunks in host memory, least recently used evicted first within ``capacity_bytes``."""
+
+    name, shared = "memory", False
 
     def __init__(self, capacity_bytes: int, stats: StoreStats) -> None:
         self.capacity_bytes = capacity_bytes
@@ -97,13 +127,9 @@ class MemoryTier:
         return True
 
     def discard(self, chunk_key: str) -> None:
-        chunk = self._chunks.pop(chunk_key, None)
-        if chunk is None:
-            return
-        self.bytes -= chunk.nbytes
-        for key in chunk.block_keys:
-            if self._blocks.get(key, (None,))[0] == chunk_key:
-                del self._blocks[key]
+        chunk = unlist(self._chunks, self._blocks, chunk_key)
+        if chunk is not None:
+            self.bytes -= chunk.nbytes
 
     def chunks(self) -> list[Chunk]:
         return list(self._chunks.values())
@@ -123,6 +149,8 @@ class DiskTier:
     lookup misses and the folder changed. Every OSError is absorbed: counted, logged once,
     and after a failed write the tier pauses writing with a doubling back-off (a full disk
     first evicts to make room and tries once more)."""
+
+    name, shared = "disk", True
 
     def __init__(self, path: Path, capacity_bytes: int, stats: StoreStats) -> None:
         self.path = path
@@ -154,17 +182,17 @@ class DiskTier:
             found = self._index.get(block_key)
         return found
 
+    def locate_many(self, block_keys: list[str]) -> list[tuple[str, int] | None]:
+        return [self.locate(key) for key in block_keys]
+
     def get(self, chunk_key: str) -> Chunk | None:
         """The chunk read from its file and checked; None (a miss) for anything else."""
         path = self._path(chunk_key)
-        self.stats.disk_reads += 1
+        self.stats.read_from(self.name)
         try:
             with open(path, "rb") as f:
-                header = _parse_header(f, path)
-                flat = torch.empty(header.payload_bytes, dtype=torch.uint8)
-                f.seek(header.payload_start)
-                if f.readinto(memoryview(flat.numpy())) != header.payload_bytes or f.read(1):
-                    raise ValueError(f"{path}: payload size does not match its header")
+                header = parse_header(f, chunk_key, os.fstat(f.fileno()).st_size)
+                flat = self._payload(f, path, header)
         except FileNotFoundError:  # another process evicted it: a plain miss
             self._forget(chunk_key)
             return None
@@ -176,7 +204,7 @@ class DiskTier:
             self._log_once("read", f"KVLabConnector store: cannot read {path} ({error}); treated as a miss")
             self._forget(chunk_key)
             return None
-        chunk = _chunk_from(header, flat)
+        chunk = chunk_from(header, flat)
         if not chunk.intact():
             self._reject(path, "corrupt", ValueError("checksum does not match"))
             return None
@@ -223,21 +251,22 @@ class DiskTier:
             raise ValueError(f"not a chunk key (32 hex digits): {chunk_key!r}")
         return self.path / f"{chunk_key}{_SUFFIX}"
 
+    def _payload(self, f: BinaryIO, path: Path, header: Header) -> torch.Tensor:
+        """The payload, read into memory in one call."""
+        flat = torch.empty(header.payload_bytes, dtype=torch.uint8)
+        f.seek(header.payload_start)
+        if f.readinto(memoryview(flat.numpy())) != header.payload_bytes or f.read(1):
+            raise ValueError(f"{path}: payload size does not match its header")
+        return flat
+
     def _write(self, chunk: Chunk) -> None:
-        buffer = chunk.buffer
-        header = json.dumps({
-            "block_keys": chunk.block_keys, "signature": chunk.signature, "crc": chunk.crc,
-            "layout": buffer.layout.name, "num_blocks": buffer.num_blocks,
-            "geometry": _geometry_fields(buffer.geometry),
-            "tensors": [list(t.shape) for t in buffer.storage],
-        }).encode()
         path = self._path(chunk.key)
         tmp = self.path / f"{chunk.key}.{self._host}-{os.getpid()}.tmp"
         try:
             with open(tmp, "wb") as f:
-                f.write(_MAGIC + struct.pack("<Q", len(header)) + header)
-                for t in buffer.storage:
-                    f.write(t.contiguous().view(torch.uint8).reshape(-1).numpy().data)
+                f.write(encode_header(chunk))
+                for part in payload(chunk):
+                    f.write(part)
             tmp.replace(path)
         except BaseException:
             self._unlink(tmp, count=False)
@@ -339,7 +368,7 @@ class DiskTier:
             path = Path(entry.path)
             try:
                 with open(path, "rb") as f:
-                    header = _parse_header(f, path)
+                    header = parse_header(f, path.name.removesuffix(_SUFFIX), os.fstat(f.fileno()).st_size)
             except ValueError as error:
                 self.stats.bad_headers += 1
                 self._log_once("header", f"KVLabConnector store: skipping {path} ({error})")
@@ -388,6 +417,134 @@ class DiskTier:
         if kind not in self._logged:
             self._logged.add(kind)
             logger.warning(message)
+
+
+class SharedMemoryTier(DiskTier):
+    """The disk tier's files in a memory-backed folder (``/dev/shm``): every process and
+    engine on the host shares them, and a read maps the file instead of copying it (the
+    chunk's tensors are the page-cache pages themselves, copy-on-write)."""
+
+    name = "shm"
+
+    def _payload(self, f: BinaryIO, path: Path, header: Header) -> torch.Tensor:
+        mapped = np.memmap(f, dtype=np.uint8, mode="c", offset=header.payload_start, shape=(header.payload_bytes,))
+        return torch.from_numpy(mapped)
+
+
+class RedisTier:
+    """Chunks in a Redis server, shared by every process and host that reaches it: one
+    value per chunk (the chunk file's bytes) and one small value per block naming its
+    chunk and position, so any process can look blocks up. The server's own eviction
+    (``maxmemory``, ``allkeys-lru``) bounds it; a block whose chunk was evicted is a miss.
+
+    Every error of the server (down, unreachable, timing out) is absorbed: counted,
+    logged once, and the tier pauses (lookups miss, writes are skipped) with a doubling
+    back-off, so no request waits on a dead server for more than one timeout."""
+
+    name, shared = "redis", True
+    PREFIX = "kvlab:"
+
+    def __init__(self, url: str, stats: StoreStats, timeout_s: float = 2.0) -> None:
+        import redis
+
+        self.url = url
+        self.stats = stats
+        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._errors = (redis.RedisError, OSError)
+        self._paused_until = 0.0
+        self._retry_s = RETRY_FIRST_S
+        self._logged: set[str] = set()
+        self.round_trips = 0
+
+    def check(self) -> None:
+        """Raise ValueError naming the server unless it answers (at start-up)."""
+        try:
+            self.client.ping()
+        except self._errors as error:
+            raise ValueError(f"the Redis tier cannot reach {self.url} ({error})") from None
+
+    # ---- lookups -------------------------------------------------------------------
+    def locate(self, block_key: str) -> tuple[str, int] | None:
+        return self.locate_many([block_key])[0]
+
+    def locate_many(self, block_keys: list[str]) -> list[tuple[str, int] | None]:
+        """Every block's chunk and position in one round trip (MGET)."""
+        values = self._call("read", lambda: self.client.mget([self.PREFIX + "b:" + key for key in block_keys]))
+        return [self._location(value) for value in values or [None] * len(block_keys)]
+
+    @staticmethod
+    def _location(value: bytes | None) -> tuple[str, int] | None:
+        if not value:
+            return None
+        chunk_key, _, position = value.decode(errors="replace").partition(":")
+        return (chunk_key, int(position)) if valid_key(chunk_key) and position.isdigit() else None
+
+    def get(self, chunk_key: str) -> Chunk | None:
+        value = self._call("read", lambda: self.client.get(self.PREFIX + "c:" + chunk_key))
+        if value is None:
+            return None
+        self.stats.read_from(self.name)
+        try:
+            header = parse_header(io.BytesIO(value), chunk_key, len(value))
+        except ValueError as error:
+            self._reject(chunk_key, error)
+            return None
+        flat = torch.frombuffer(bytearray(value[header.payload_start:]), dtype=torch.uint8)
+        chunk = chunk_from(header, flat)
+        if not chunk.intact():
+            self._reject(chunk_key, ValueError("checksum does not match"))
+            return None
+        return chunk
+
+    # ---- updates -------------------------------------------------------------------
+    def put(self, chunk: Chunk) -> bool:
+        """One round trip: the chunk's value and its blocks' names, pipelined."""
+        def write() -> bool:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.set(self.PREFIX + "c:" + chunk.key, encode_header(chunk) + b"".join(payload(chunk)))
+            for position, key in enumerate(chunk.block_keys):
+                pipe.set(self.PREFIX + "b:" + key, f"{chunk.key}:{position}")
+            pipe.execute()
+            return True
+
+        return bool(self._call("write", write))
+
+    def discard(self, chunk_key: str) -> None:
+        self._call("write", lambda: self.client.delete(self.PREFIX + "c:" + chunk_key))
+
+    def verified(self, chunk_key: str) -> bool:
+        return False  # another host may replace a value at any time: always read and check
+
+    def touch(self, chunk_key: str) -> None:
+        """Nothing: the server's LRU sees every read."""
+
+    # ---- internals -----------------------------------------------------------------
+    def _call(self, kind: str, operation: Callable[[], Any]) -> Any:
+        if time.monotonic() < self._paused_until:
+            self.stats.disk_skipped += kind == "write"
+            return None
+        try:
+            self.round_trips += 1
+            result = operation()
+        except self._errors as error:
+            self.stats.write_errors += kind == "write"
+            self.stats.read_errors += kind == "read"
+            self._paused_until = time.monotonic() + self._retry_s
+            if kind not in self._logged:
+                self._logged.add(kind)
+                logger.warning("KVLabConnector store: Redis at %s failed a %s (%s); the tier pauses for %g s, "
+                               "then less often; requests go on", self.url, kind, error, self._retry_s)
+            self._retry_s = min(2 * self._retry_s, RETRY_MAX_S)
+            return None
+        self._retry_s = RETRY_FIRST_S
+        return result
+
+    def _reject(self, chunk_key: str, error: Exception) -> None:
+        self.stats.corrupt += 1
+        if "corrupt" not in self._logged:
+            self._logged.add("corrupt")
+            logger.warning("KVLabConnector store: dropping Redis chunk %s (%s); recomputing instead", chunk_key, error)
+        self.discard(chunk_key)
 
 
 def _alive(pid: int) -> bool:

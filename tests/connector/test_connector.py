@@ -16,7 +16,7 @@ pytest.importorskip("vllm")
 
 from kvlab.cache import ModelGeometry, allocate, layer_name  # noqa: E402
 from kvlab.connector import ConnectorConfig, KVLabConnector, reset_stores  # noqa: E402
-from kvlab.connector.driver import connector_pair, prefill, register, stand_in_config, vllm_request  # noqa: E402
+from kvlab.connector.driver import connector_pair, prefill, register, settle, stand_in_config, vllm_request  # noqa: E402
 
 NUM_BLOCKS = 24
 GQA = ModelGeometry("tiny-gqa", 4, 2, 64, torch.float32, 16)
@@ -93,7 +93,7 @@ def test_layerwise_through_ascend_style_hooks(layout: str, geometry: ModelGeomet
         tensor.view(torch.int16).random_()
     prompt = list(range(4 * geometry.block_size + 1))
     prefill(scheduler, worker, "a", prompt, [4, 9, 2, 7, 1], ascend_hooks=True)
-    assert worker.stats.saved_blocks == 4  # saved layer by layer from save_kv_layer
+    assert worker.stats.saved_blocks == 4  # saved after the step, beside the next one
     expected = block_bytes(worker, [4, 9, 2, 7])
     for tensor in worker.cache.storage:
         tensor.zero_()
@@ -152,53 +152,71 @@ def test_longer_prompt_reuses_the_shared_prefix() -> None:
     assert run_step(scheduler, worker, "b", prefix + list(range(900, 900 + 2 * BS)), list(range(6, 14)), False) == 5 * BS
 
 
-def test_model_or_layout_mismatch_is_a_miss() -> None:
-    scheduler, worker = connectors(GQA)
+def test_model_or_layout_mismatch_is_a_miss(tmp_path) -> None:
+    """Two engines on one disk folder, one per-layer, one cross-layer: neither is handed
+    the other's chunks (they would not fit its cache)."""
+    extra = {"store": "disk", "disk_path": str(tmp_path)}
+    scheduler, worker = connectors(GQA, extra)
     register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
     prompt = list(range(3 * BS + 1))
     run_step(scheduler, worker, "a", prompt, [0, 1, 2, 3], False)
-    # the same store, now serving a cross-layer cache: chunks in LBHNC cannot be loaded into it
-    worker_b = connectors(GQA)[1]
+    scheduler_b, worker_b = connectors(GQA, extra)
     register(worker_b, "vllm>=0.29 BLHNC", GQA, NUM_BLOCKS)
-    request = SimpleNamespace(request_id="b", prompt_token_ids=prompt)
-    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
-    assert worker.store.stats.mismatched >= 1
+    assert run_step(scheduler_b, worker_b, "b", prompt, [4, 5, 6, 7], False) == 0
+    assert run_step(scheduler, worker, "c", prompt, [8, 9, 10, 11], False) == 3 * BS  # its own still hit
 
 
 def test_corrupt_chunk_is_recomputed_not_loaded() -> None:
+    """A memory chunk damaged after it was sealed (verify="always"): the worker refuses it,
+    hands its blocks back to vLLM to recompute, and the scheduler forgets it."""
     scheduler, worker = connectors(GQA, {"verify": "always"})
     register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
     prompt = list(range(4 * BS + 1))
     run_step(scheduler, worker, "a", prompt, [0, 1, 2, 3, 4], False)
     chunk = worker.store.memory_chunks()[0]
     chunk.buffer.storage[0].view(-1)[123] += 1  # one flipped value in host memory
-    request = SimpleNamespace(request_id="b", prompt_token_ids=prompt)
-    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+    result = prefill(scheduler, worker, "b", prompt, [5, 6, 7, 8, 9])
+    assert result["report"].invalid_block_ids == {5, 6, 7, 8}, "handed back to vLLM to recompute"
     assert worker.store.stats.corrupt == 1 and len(worker.store) == 0
+    assert run_step(scheduler, worker, "c", prompt, [10, 11, 12, 13, 14], False) == 0
 
 
 def test_full_store_evicts_and_never_fails() -> None:
+    """The scheduler keeps the workers' memory budget: a prompt of four chunks into room
+    for two keeps its head (the tail cannot evict chunks still being stored); a new prompt
+    then evicts the least recently used, and the worker drops what was evicted."""
     one_chunk = 2 * GQA.block_bytes
     scheduler, worker = connectors(GQA, {"chunk_size": 2 * BS, "store_bytes": 2 * one_chunk})
     register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
-    prompt = list(range(8 * BS + 1))  # four chunks into a store that holds two
+    prompt = list(range(8 * BS + 1))
     run_step(scheduler, worker, "a", prompt, list(range(9)), False)
-    assert len(worker.store) == 2 and worker.store.stats.evicted == 2
-    assert worker.store.bytes <= 2 * one_chunk
-    # saved tail first, so the tail went and the head stayed: the first two chunks are a hit
+    assert len(worker.store) == 2 and worker.store.bytes <= 2 * one_chunk
     assert run_step(scheduler, worker, "b", prompt, list(range(9, 18)), False) == 2 * 2 * BS
+    other = [t + 1000 for t in prompt]
+    run_step(scheduler, worker, "c", other, list(range(18, 27)), False)
+    assert len(worker.store) == 2 and worker.store.stats.evicted == 2
+    assert lookup(scheduler, prompt) == 0 and lookup(scheduler, other) == 2 * 2 * BS
 
 
 @pytest.mark.parametrize("extra, message", [
     ({"colour": "blue"}, "unknown kv_connector_extra_config key"),
     ({"store": "s3"}, "store must be 'cpu' or 'disk'"),
     ({"store": "disk"}, "needs disk_path"),
-    ({"disk_path": "/tmp/x"}, "only used with store 'disk'"),
+    ({"disk_path": "/tmp/x"}, "only used with the disk tier"),
     ({"layerwise": "yes"}, "layerwise must be true or false"),
     ({"store_bytes": 0}, "store_bytes must be a positive integer"),
     ({"chunk_size": -32}, "chunk_size must be a positive integer"),
     ({"method": "memcpy"}, "method must be one of"),
     ({"verify": "never"}, "verify must be 'always' or 'disk'"),
+    ({"tiers": ["memory", "s3"]}, r"tiers must name each of \['memory', 'shm', 'disk', 'redis'\]"),
+    ({"tiers": ["memory", "memory"]}, "at most once"),
+    ({"tiers": "memory"}, "tiers must be a list of tier names"),
+    ({"tiers": []}, "tiers must be a list of tier names"),
+    ({"tiers": ["redis"]}, "redis_url"),
+    ({"redis_url": "redis://127.0.0.1:1/0"}, "redis_url is only used with the redis tier"),
+    ({"shm_path": "/dev/shm/x"}, "shm_path is only used with the shm tier"),
+    ({"async_saves": 1}, "async_saves must be true or false"),
+    ({"shm_bytes": -1}, "shm_bytes must be a positive integer"),
 ])
 def test_bad_extra_config_fails_at_start(extra: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -268,27 +286,33 @@ def test_lora_requests_never_get_base_or_other_adapters_kv(tmp_path) -> None:
     assert lookup(scheduler, prompt, lora_request=x) == 0
 
 
+def fresh(extra: dict, model: str | None = None) -> tuple[KVLabConnector, KVLabConnector]:
+    """A new engine on the same shared tiers (another process): registered, and its
+    scheduler told the workers' cache, as after its first step."""
+    reset_stores()
+    scheduler, worker = connector_pair(GQA, NUM_BLOCKS, extra, model=model)
+    register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
+    settle(scheduler, worker)
+    return scheduler, worker
+
+
 def test_new_weights_at_the_same_path_are_misses_not_stale_kv(tmp_path) -> None:
     folder = tmp_path / "model"
     folder.mkdir()
     (folder / "config.json").write_text("{}")
     (folder / "model.safetensors").write_bytes(bytes(4096))
     extra = {"store": "disk", "disk_path": str(tmp_path / "kv")}
-    scheduler, worker = connector_pair(GQA, NUM_BLOCKS, extra, model=str(folder))
-    register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
+    scheduler, worker = fresh(extra, str(folder))
     prompt = list(range(4 * BS + 1))
     run_step(scheduler, worker, "a", prompt, [0, 1, 2, 3, 4], False)
-    reset_stores()  # a new process on the same disk store
-    assert lookup(connector_pair(GQA, NUM_BLOCKS, extra, model=str(folder))[0], prompt) == 4 * BS
-    reset_stores()
+    assert lookup(fresh(extra, str(folder))[0], prompt) == 4 * BS
     (folder / "model.safetensors").write_bytes(b"\x01" + bytes(4095))  # fine-tuned in place
-    assert lookup(connector_pair(GQA, NUM_BLOCKS, extra, model=str(folder))[0], prompt) == 0
+    assert lookup(fresh(extra, str(folder))[0], prompt) == 0
 
 
 def test_every_damaged_chunk_of_a_prompt_is_saved_again(tmp_path) -> None:
     extra = {"store": "disk", "disk_path": str(tmp_path / "kv"), "chunk_size": BS}
-    scheduler, worker = connectors(GQA, extra)
-    register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
+    scheduler, worker = fresh(extra)
     prompt = list(range(4 * BS + 1))
     run_step(scheduler, worker, "a", prompt, [0, 1, 2, 3, 4], False)
     files = sorted((tmp_path / "kv").glob("*.kvchunk"))
@@ -297,13 +321,10 @@ def test_every_damaged_chunk_of_a_prompt_is_saved_again(tmp_path) -> None:
         data = bytearray(path.read_bytes())
         data[-5] ^= 0x10
         path.write_bytes(bytes(data))
-    reset_stores()
-    scheduler, worker = connectors(GQA, extra)
-    register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
+    scheduler, worker = fresh({**extra, "tiers": ["disk"]})
     assert run_step(scheduler, worker, "b", prompt, [5, 6, 7, 8, 9], False) == 0
     assert worker.stats.saved_blocks == 4, "all four chunks written again, not only the first"
-    reset_stores()
-    assert lookup(connectors(GQA, extra)[0], prompt) == 4 * BS
+    assert lookup(fresh(extra)[0], prompt) == 4 * BS
 
 
 def test_an_unavailable_method_fails_at_start_up(monkeypatch) -> None:
@@ -319,10 +340,10 @@ def test_a_failing_save_or_load_never_reaches_the_request(monkeypatch, caplog, l
     register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
     prompt = list(range(4 * BS + 1))
 
-    def broken(chunk):
+    def broken(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(worker.store, "put", broken)
+    monkeypatch.setattr("kvlab.connector.worker.host_buffer", broken)
     with caplog.at_level(logging.WARNING, logger="kvlab.connector"):
         run_step(scheduler, worker, "a", prompt, [0, 1, 2, 3, 4], layerwise)
         run_step(scheduler, worker, "b", prompt, [5, 6, 7, 8, 9], layerwise)
@@ -333,8 +354,9 @@ def test_a_failing_save_or_load_never_reaches_the_request(monkeypatch, caplog, l
     def no_copy(*args, **kwargs):
         raise RuntimeError("copy engine fault")
 
-    monkeypatch.setattr("kvlab.connector.connector.run_all", no_copy)
+    monkeypatch.setattr("kvlab.connector.worker.run_all", no_copy)
     monkeypatch.setattr("kvlab.transfer.Transfer.run", no_copy)
-    assert run_step(scheduler, worker, "d", prompt, [10, 11, 12, 13, 14], layerwise) == 4 * BS
-    assert worker.get_block_ids_with_load_errors() == {10, 11, 12, 13}, "handed back to vLLM to recompute"
+    result = prefill(scheduler, worker, "d", prompt, [10, 11, 12, 13, 14], layerwise)
+    assert result["hit_tokens"] == 4 * BS
+    assert result["report"].invalid_block_ids == {10, 11, 12, 13}, "handed back to vLLM to recompute"
     assert worker.stats.load_errors == 1

@@ -1,18 +1,22 @@
 """KVLabConnector inside vLLM's CPU engine with a real trained model (SmolLM2-135M, fp32):
-the second run of a prompt is served from the connector and changes nothing, in the same
-process and from disk in a new process (damaged entries, full and read-only disks:
-test_faults_engine.py).
-Each engine runs in its own process (kvlab.runtime.engine)."""
+the second run of a prompt is served from the connector and changes nothing, in vLLM's
+default process layout (scheduler and worker in different processes) and in one process;
+other engines in other processes hit through shared memory and through a real Redis
+server; tensor-parallel ranks each keep their own shard, and a load that fails its check
+is recomputed with the same tokens (damaged entries, full and read-only disks:
+test_faults_engine.py). Each engine runs in its own process (kvlab.runtime.engine)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+from conftest import prepared
 
 pytest.importorskip("vllm")
 
 from kvlab.runtime.engine import EngineSpec, run_engine, same_outputs  # noqa: E402
+from kvlab.runtime.models import TINY_LLAMA, model_path  # noqa: E402
 
 pytestmark = pytest.mark.slow  # starts engines, servers or notebook kernels
 
@@ -21,24 +25,71 @@ def hits(result: dict, phase: str) -> list[int]:
     return [row["cached_tokens"] for row in result["phases"][phase]]
 
 
-@pytest.mark.parametrize("layerwise", [False, True], ids=["whole-step", "layerwise"])
-def test_second_run_is_served_from_the_connector_and_identical(smollm2, prompts, layerwise) -> None:
-    spec = EngineSpec(smollm2, "kvlab", {"layerwise": layerwise, "chunk_size": 64}, dtype="float32", max_tokens=8)
+def loadable(prompts: list[list[int]], block_size: int = 32) -> list[int]:
+    """Every full block but the one holding the last prompt token (vLLM computes that one)."""
+    return [(len(p) - 1) // block_size * block_size for p in prompts]
+
+
+def bitwise(a: dict, b: dict, phase_a: str = "cold", phase_b: str = "warm") -> bool:
+    agreement = same_outputs(a, b, phase_a, phase_b)
+    return agreement["identical"] == agreement["prompts"] and agreement["max_logprob_diff"] == 0.0  # fp32
+
+
+def test_layerwise_in_one_process_serves_the_second_run_identically(smollm2, prompts) -> None:
+    spec = EngineSpec(smollm2, "kvlab", {"layerwise": True, "chunk_size": 64}, dtype="float32", max_tokens=8)
     result = run_engine(spec, prompts)
     assert hits(result, "cold") == [0, 0]
-    # every full block but the one holding the last prompt token comes from the connector
-    assert hits(result, "warm") == [(len(p) - 1) // 32 * 32 for p in prompts]
-    agreement = same_outputs(result, result)
-    assert agreement["identical"] == 2 and agreement["max_logprob_diff"] == 0.0  # fp32: bitwise
+    assert hits(result, "warm") == loadable(prompts)
+    assert bitwise(result, result)
     stats = result["connector"]["default"]
-    assert stats["loaded_blocks"] == sum((len(p) - 1) // 32 for p in prompts)
+    assert stats["loaded_blocks"] == sum(hit // 32 for hit in loadable(prompts))
     assert stats["layout"] == "CPU_LBHNC" and stats["load_errors"] == 0
 
 
-def test_disk_store_serves_a_new_process(smollm2, prompts, tmp_path: Path) -> None:
-    extra = {"store": "disk", "disk_path": str(tmp_path / "store")}
-    first = run_engine(EngineSpec(smollm2, "kvlab", extra, dtype="float32", max_tokens=8, phases=("cold",)), prompts)
-    second = run_engine(EngineSpec(smollm2, "kvlab", extra, dtype="float32", max_tokens=8, phases=("warm",)), prompts)
-    assert min(hits(second, "warm")) > 0 and second["connector"]["default"]["store"]["disk_reads"] > 0
-    agreement = same_outputs(first, second, "cold", "warm")
-    assert agreement["identical"] == 2 and agreement["max_logprob_diff"] == 0.0
+def test_vllms_default_processes_serve_repeats_and_other_engines_hit(smollm2, prompts, tmp_path: Path,
+                                                                     redis_server) -> None:
+    """Engine A, in vLLM's default process layout (scheduler and worker apart), serves its
+    repeats from memory and writes through to a shared-memory folder and a Redis server;
+    engine B, another process on this host, reads the shared memory only; engine C,
+    standing in for another host, reads Redis only. Every warm run hits every loadable
+    block and generates bitwise what A computed. Then C's Redis server is shut down, as a
+    crash would: C recomputes, with A's tokens, and no request waits 10 s."""
+    shm = str(tmp_path / "shm")
+    common = {"dtype": "float32", "max_tokens": 8, "multiprocessing": True}
+    writer = {**redis_server.extra(tiers=["memory", "shm", "redis"]), "shm_path": shm, "chunk_size": 64}
+    first = run_engine(EngineSpec(smollm2, "kvlab", writer, **common), prompts)
+    assert hits(first, "cold") == [0, 0] and hits(first, "warm") == loadable(prompts)
+    assert bitwise(first, first)
+    stats = first["connector"]["default"]
+    assert stats["loaded_blocks"] == sum(hit // 32 for hit in loadable(prompts))
+    assert stats["save_errors"] == 0 and redis_server.keys() > 0 and any(Path(shm).iterdir())
+    for tier, extra, phases in (("shm", {"tiers": ["shm"], "shm_path": shm}, ("warm",)),
+                                ("redis", redis_server.extra(tiers=["redis"]), ("warm", "warm-redis-down"))):
+        other = run_engine(EngineSpec(smollm2, "kvlab", extra, phases=phases, **common), prompts)
+        assert hits(other, "warm") == loadable(prompts), tier
+        assert other["connector"]["default"]["store"][f"{tier}_reads"] > 0
+        assert bitwise(first, other), tier
+    # Then the Redis server dies: every prompt is recomputed, the same tokens, none waits 10 s.
+    assert hits(other, "warm-redis-down") == [0, 0]
+    assert bitwise(first, other, "cold", "warm-redis-down")
+    assert all(row["seconds"] < 10 for row in other["phases"]["warm-redis-down"])
+    store = other["connector"]["default"]["store"]
+    assert store["read_errors"] + store["write_errors"] + other["connector"]["default"]["load_errors"] > 0
+
+
+def test_tensor_parallel_ranks_store_their_shards_and_a_failed_load_is_recomputed() -> None:
+    """TP=2 on this CPU (one core per rank), the tiny Llama (2 kv heads: one per rank).
+    Each rank loads its own shard. Then every rank's stored chunks are zeroed and the
+    chunks checked on every read: the loads fail their checks, vLLM recomputes those
+    blocks (kv_load_failure_policy "recompute") and the tokens are the cold run's."""
+    model = str(model_path(prepared(TINY_LLAMA)))
+    prompts = [list(range(5, 205)), list(range(300, 470))]
+    spec = EngineSpec(model, "kvlab", {"verify": "always"}, dtype="float32", max_tokens=8,
+                      tensor_parallel_size=2, phases=("cold", "warm", "warm-zeroed"))
+    result = run_engine(spec, prompts)
+    assert hits(result, "warm") == loadable(prompts)
+    assert bitwise(result, result)
+    ranks = [r["default"] for r in result["ranks"]]
+    assert len(ranks) == 2 and all(r["loaded_blocks"] >= sum(loadable(prompts)) // 32 for r in ranks)
+    assert all(r["load_errors"] > 0 and r["store"]["corrupt"] > 0 for r in ranks), "zeroed chunks failed the check"
+    assert bitwise(result, result, "cold", "warm-zeroed"), "recomputed, not loaded"

@@ -140,3 +140,18 @@ def test_server_killed_mid_run_means_recompute(smollm2, prompts, tmp_path):
     agreement = same_outputs(result, result)
     assert agreement["identical"] == 2 and agreement["max_logprob_diff"] == 0.0
     assert seconds < 120
+
+
+def test_lmcaches_redis_backend_round_trips_a_prefix_on_our_server(redis_server):
+    """LMCache's own Redis remote backend, through its engine, on kvlab's Redis server: what
+    it fetches is what it stored, in two keys per chunk (data and metadata)."""
+    import torch
+
+    from kvlab.cache import ModelGeometry
+    from kvlab.experiments.lmcache_redis import lmcache_redis_costs
+
+    geometry = ModelGeometry("net", 3, 2, 32, torch.bfloat16, 16)
+    row = lmcache_redis_costs(redis_server.url, geometry, tokens=512, chunk_tokens=256, repeats=1)
+    assert row["identical"] is True
+    assert row["objects_per_chunk"] == 2
+    assert row["store_s"] > 0 and row["fetch_s"] > 0

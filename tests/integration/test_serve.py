@@ -1,12 +1,13 @@
-"""``vllm serve`` with KVLabConnector, end to end over HTTP: the same prompt twice on one
-server (vLLM's prefix cache off, so the second is served from the connector), tenants kept
-apart by cache salts, then again on a new server over the same disk store; a bad extra
-config fails start-up and leaves nothing running."""
+"""``vllm serve`` with KVLabConnector, end to end over HTTP: the seed's command verbatim (vLLM's
+defaults, its own process layout), a repeat served from the connector once vLLM's prefix
+cache is emptied, tenants kept apart by cache salts; a bad extra config fails start-up and
+leaves nothing running. (A new process reading a shared store: test_connector_vllm.py and
+test_faults_engine.py.)"""
 
 from __future__ import annotations
 
 import importlib.resources
-from pathlib import Path
+import json
 
 import pytest
 from conftest import prepared, running
@@ -17,7 +18,6 @@ from kvlab.runtime.models import SMOLLM2, TINY_LLAMA  # noqa: E402
 from kvlab.runtime.servers import ServerError, VLLMServer  # noqa: E402
 
 pytestmark = pytest.mark.slow  # starts engines, servers or notebook kernels
-BLOCK_SIZE = 32
 MAX_TOKENS = 16
 
 
@@ -33,39 +33,43 @@ def cached_tokens(response: dict) -> int:
     return response["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-def loadable_tokens(response: dict) -> int:
-    """Full blocks before the last prompt token, which vLLM always computes itself."""
-    return (response["usage"]["prompt_tokens"] - 1) // BLOCK_SIZE * BLOCK_SIZE
-
-
 # ---- real servers ---------------------------------------------------------------------------
-def test_connector_serves_repeats_and_survives_a_restart(tmp_path, text):
-    extra = {"store": "disk", "disk_path": str(tmp_path / "kv")}
-    # fp32: bf16 tokens depend on which CPU's kernels ran them (tested against a control elsewhere)
-    common = {"model": prepared(f"{SMOLLM2}-fp32"), "dtype": "float32", "extra": extra, "prefix_caching": False,
-              "block_size": BLOCK_SIZE}
+SEED_EXTRA = {"enable_cross_layers_blocks": True}
 
-    with VLLMServer(**common, log_path=tmp_path / "first.log") as server:
-        first_pids = server.pids()
+
+def test_the_seeds_command_verbatim_serves_repeats_from_the_connector(tmp_path, text):
+    """``vllm serve <model> --kv-transfer-config '{..."kv_connector_extra_config":
+    {"enable_cross_layers_blocks":true}}'`` with vLLM's defaults for everything else (its
+    process layout, prefix caching on, block size, bf16, compilation); only the KV space a
+    small machine has, ``--enable-prompt-tokens-details``, and vLLM's development endpoint
+    that empties its own prefix cache. A repeat after that reset is served by the connector
+    and says so in ``cached_tokens``, with the text of vLLM's own prefix-cache repeat;
+    tenants (cache salts) stay apart as in vLLM's prefix cache."""
+    server = VLLMServer(prepared(SMOLLM2), extra=SEED_EXTRA, vllm_defaults=True,
+                        env={"VLLM_SERVER_DEV_MODE": "1"}, log_path=tmp_path / "serve.log")
+    with server:
+        assert server.command()[2:] == [
+            str(server.model_folder), "--host", "127.0.0.1", "--port", str(server.port), "--enable-prompt-tokens-details",
+            "--kv-transfer-config", json.dumps({"kv_connector": "KVLabConnector", "kv_connector_module_path":
+                                                "kvlab.connector", "kv_role": "kv_both",
+                                                "kv_connector_extra_config": SEED_EXTRA})]
+        pids = server.pids()
         cold = server.complete(text, MAX_TOKENS)
-        warm = server.complete(text, MAX_TOKENS)
-        # tenants: another salt, or none, never gets a salted tenant's KV, as vLLM's prefix cache
-        salted = [cached_tokens(server.complete(text, MAX_TOKENS, cache_salt=salt)) for salt in ("a", "b", "a")]
-    assert len(first_pids) >= 2, "the API server and its engine core are separate processes"
-    assert running(first_pids) == []
-    assert cold["usage"]["prompt_tokens"] > 500
-    assert cached_tokens(cold) == 0
-    assert cached_tokens(warm) == loadable_tokens(warm) > 0, "the repeat comes from the connector's store"
-    assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
-    assert salted == [0, 0, loadable_tokens(warm)]
-    assert any(Path(extra["disk_path"]).iterdir()), "chunks were written through to disk"
-
-    with VLLMServer(**common, log_path=tmp_path / "second.log") as server:
-        second_pids = server.pids()
-        restarted = server.complete(text, MAX_TOKENS)
-    assert running(second_pids) == []
-    assert cached_tokens(restarted) == loadable_tokens(restarted) > 0, "a new server reads the disk store"
-    assert restarted["choices"][0]["text"] == cold["choices"][0]["text"]
+        vllm_repeat = server.complete(text, MAX_TOKENS)  # vLLM's own prefix cache
+        assert server.reset_prefix_cache()
+        connector_repeat = server.complete(text, MAX_TOKENS)  # vLLM's cache is empty: the connector
+        assert server.reset_prefix_cache()
+        salted = [cached_tokens(server.complete(text, MAX_TOKENS, cache_salt=salt)) for salt in ("a", "b")]
+        assert server.reset_prefix_cache()
+        salted.append(cached_tokens(server.complete(text, MAX_TOKENS, cache_salt="a")))
+    assert len(pids) >= 3, "API server, engine core and worker are separate processes"
+    assert running(pids) == []
+    reused = cached_tokens(vllm_repeat)  # full blocks before the last prompt token, whatever vLLM's block size
+    assert cached_tokens(cold) == 0 and reused > cold["usage"]["prompt_tokens"] // 2
+    assert cached_tokens(connector_repeat) == reused, "the connector served every block vLLM's cache did"
+    # both repeats compute the last tokens on top of the cold run's KV: the same text, bf16 or not
+    assert connector_repeat["choices"][0]["text"] == vllm_repeat["choices"][0]["text"]
+    assert salted == [0, 0, reused]
 
 
 def test_bad_extra_config_fails_start_up_and_leaves_nothing(tmp_path):

@@ -1,0 +1,69 @@
+"""What the scheduler side and the workers tell each other each step; small, picklable,
+and importable in every process (vLLM sends them through its message queues): keys,
+block ids and positions, never tensors."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a block can be loaded from: a tier, the chunk holding it on each worker
+    (ranks in order), and its position in the chunk."""
+
+    tier: str
+    chunk_keys: tuple[str, ...]
+    position: int
+
+
+@dataclass
+class LoadSpec:
+    """Cache blocks to fill before the forward, one source per block."""
+
+    req_id: str
+    block_ids: list[int]
+    sources: list[Source]
+
+
+@dataclass
+class SaveSpec:
+    """Computed cache blocks to keep as one chunk: in the worker's memory (``memory``, the
+    scheduler made room) and/or written through to the shared tiers (``shared``)."""
+
+    req_id: str
+    block_keys: tuple[str, ...]
+    block_ids: list[int]
+    memory: bool = True
+    shared: bool = True
+
+
+@dataclass
+class KVLabMetadata(KVConnectorMetadata):
+    """Scheduler -> workers, one per step."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    drops: list[str] = field(default_factory=list)  # memory chunks the scheduler evicted
+    reset_memory: bool = False  # forget every memory chunk
+    preempted: set[str] = field(default_factory=set)  # requests whose blocks are about to be reused
+
+
+@dataclass
+class KVLabWorkerMeta(KVConnectorWorkerMetadata):
+    """Workers -> scheduler, one per step, summed over the workers by vLLM."""
+
+    stored: Counter = field(default_factory=Counter)  # memory chunk key -> workers that stored it
+    failed: set[str] = field(default_factory=set)  # memory chunks some worker could not store
+    signature: str | None = None  # the workers' cache (model, dtype, layout), once
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVLabWorkerMeta:
+        assert isinstance(other, KVLabWorkerMeta)
+        return KVLabWorkerMeta(self.stored + other.stored, self.failed | other.failed,
+                               self.signature or other.signature)
+
+    def __bool__(self) -> bool:
+        return bool(self.stored or self.failed or self.signature)

@@ -1,0 +1,262 @@
+"""KVLabConnector's scheduler side: it owns the index, the workers own the KV.
+
+It keys each prompt's full blocks (kvlab.connector.keys), finds how many leading blocks
+some tier holds for every worker (the workers' memory through kvlab.connector.index; the
+shared tiers, shared memory, disk and Redis, by looking them up itself and checking each
+chunk once), and each step sends the workers only keys, block ids and positions: what to
+load, what to save, what to drop. The workers report what they stored
+(``KVLabWorkerMeta``) and when a finished request's saves are done (``get_finished``),
+which is when vLLM frees its blocks. Imports vLLM only for types."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvlab.connector.config import ConnectorConfig
+from kvlab.connector.geometry import engine_geometry
+from kvlab.connector.index import MemoryIndex
+from kvlab.connector.keys import model_seed, request_keys
+from kvlab.connector.messages import KVLabMetadata, KVLabWorkerMeta, LoadSpec, SaveSpec, Source
+from kvlab.connector.stores import ConnectorStats, lookup_store
+from kvlab.store.keys import block_hashes, shard_key
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("kvlab.connector")
+# Steps a lookup may wait for the workers to say what cache they hold (one is enough: they
+# say it in their first step's output); then the shared tiers are left out.
+SIGNATURE_WAIT_STEPS = 100
+
+
+@dataclass
+class _RequestState:
+    keys: list[str]  # hashes of the prompt's full blocks
+    matched: list[Source] = field(default_factory=list)
+    local_blocks: int = 0  # blocks vLLM already had (its own prefix cache)
+    load_blocks: int = 0  # blocks to load from the tiers after those
+    block_ids: list[int] = field(default_factory=list)
+    next_chunk: int = 0
+    saves: int = 0  # chunks sent to the workers to save
+
+
+class SchedulerSide:
+    def __init__(self, config: ConnectorConfig, vllm_config: VllmConfig, kv_cache_config: Any,
+                 stats: ConnectorStats) -> None:
+        self.config = config
+        self.stats = stats
+        self.block_size = vllm_config.cache_config.block_size
+        self.chunk_blocks = config.chunk_blocks(self.block_size)
+        self.seed = model_seed(vllm_config)
+        parallel = getattr(vllm_config, "parallel_config", None)
+        self.workers = int(getattr(parallel, "world_size", 1) or 1)
+        self.block_bytes = _block_bytes(vllm_config, kv_cache_config)
+        self.memory = MemoryIndex(config.store_bytes, self.workers) if "memory" in config.tier_names else None
+        self.shared = lookup_store(config)
+        if self.shared is not None:
+            for tier in self.shared.shared:
+                getattr(tier, "check", lambda: None)()  # a tier that cannot be reached fails start-up
+        self.signature: str | None = None  # the workers' cache, once they report it
+        self._requests: dict[str, _RequestState] = {}
+        self._checked: dict[tuple[str, str], bool] = {}  # (tier, chunk key) -> intact and of this cache
+        self._located: dict[tuple[str, str], tuple[str, int] | None] = {}  # (tier, shard key) -> where, this lookup
+        self._pinned: list[str] = []
+        self._drops: list[str] = []
+        self._reset = False
+        self._waits = 0
+
+    # ---- lookups -------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self.shared is not None and self.signature is None and self._waits < SIGNATURE_WAIT_STEPS:
+            self._waits += 1  # the workers report their cache with their first step's output
+            return None, False
+        prompt = list(request.prompt_token_ids or [])
+        state = _RequestState(block_hashes(prompt, self.block_size, self.seed, request_keys(request, self.block_size)))
+        self._requests[request.request_id] = state
+        loadable = state.keys[: (len(prompt) - 1) // self.block_size]  # vLLM computes the last prompt token
+        matched = self._match(loadable)
+        if matched is None:  # what would extend the hit is still being stored: ask again next step
+            return None, False
+        state.matched = matched
+        state.local_blocks = num_computed_tokens // self.block_size
+        self.stats.lookups += 1
+        external = max(0, len(matched) - state.local_blocks) * self.block_size
+        self.stats.hit_tokens += external
+        return external, False
+
+    def _match(self, keys: list[str]) -> list[Source] | None:
+        """Where each leading block of ``keys`` can be loaded from, for every worker."""
+        out: list[Source] = []
+        self._locate_shared(keys)
+        for key in keys:
+            found = self.memory.locate(key) if self.memory is not None else None
+            if found is not None:
+                chunk_key, position, entry = found
+                if not entry.stored:  # still being stored: the hit would grow once it is
+                    return None
+                out.append(Source("memory", (chunk_key,) * self.workers, position))
+                continue
+            source = self._shared_source(key)
+            if source is None:
+                break
+            out.append(source)
+        if self.memory is not None:  # a prompt's head outlives its tail
+            for source in reversed(out):
+                if source.tier == "memory":
+                    self.memory.touch(source.chunk_keys[0])
+        return out
+
+    def _shared_source(self, key: str) -> Source | None:
+        """The first shared tier that holds this block for every worker, checked."""
+        if self.shared is None or self.signature is None:
+            return None
+        for tier in self.shared.shared:
+            chunk_keys, positions = [], set()
+            for rank in range(self.workers):
+                found = self._located.get((tier.name, shard_key(key, rank, self.workers)))
+                if found is None or not self._intact(tier, found[0]):
+                    break
+                chunk_keys.append(found[0])
+                positions.add(found[1])
+            if len(chunk_keys) == self.workers and len(positions) == 1:
+                return Source(tier.name, tuple(chunk_keys), positions.pop())
+        return None
+
+    def _locate_shared(self, keys: list[str]) -> None:
+        """Where each shared tier holds each block's shards: one call per tier (one round
+        trip to a remote one) for the whole prompt, not one per block."""
+        self._located = {}
+        if self.shared is None or self.signature is None:
+            return
+        shards = [shard_key(key, rank, self.workers) for key in keys for rank in range(self.workers)]
+        for tier in self.shared.shared:
+            self._located.update(((tier.name, shard), found) for shard, found in zip(shards, tier.locate_many(shards)))
+
+    def _intact(self, tier: Any, chunk_key: str) -> bool:
+        """Read and check a shared chunk once (checksum, and that it fits the workers'
+        cache); a damaged or foreign one is never promised to a worker."""
+        if (tier.name, chunk_key) not in self._checked:
+            chunk = tier.get(chunk_key)
+            self._checked[(tier.name, chunk_key)] = chunk is not None and chunk.signature == self.signature
+        return self._checked[(tier.name, chunk_key)]
+
+    def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
+        state = self._requests.get(request.request_id)
+        if state is not None:
+            state.load_blocks = num_external_tokens // self.block_size
+
+    # ---- each step ---------------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVLabMetadata:
+        self._unpin()
+        meta = KVLabMetadata(drops=self._drops, reset_memory=self._reset,
+                             preempted=set(getattr(scheduler_output, "preempted_req_ids", None) or ()))
+        self._drops, self._reset = [], False
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = list(new.block_ids[0])
+            self._plan_load(new.req_id, state, meta)
+            self._plan_saves(new.req_id, state, new.num_computed_tokens + scheduled.get(new.req_id, 0), meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids and new_ids is not None:
+                state.block_ids = list(new_ids[0])
+            elif new_ids is not None:
+                state.block_ids.extend(new_ids[0])
+            self._plan_load(req_id, state, meta)
+            self._plan_saves(req_id, state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0), meta)
+        return meta
+
+    def _plan_load(self, req_id: str, state: _RequestState, meta: KVLabMetadata) -> None:
+        """Load the matched blocks after vLLM's own prefix hits (first schedule, or a
+        resume after preemption); the memory chunks read are pinned for the step."""
+        if state.load_blocks:
+            first, last = state.local_blocks, state.local_blocks + state.load_blocks
+            sources = state.matched[first:last]
+            meta.loads.append(LoadSpec(req_id, state.block_ids[first:last], sources))
+            for source in sources:
+                if source.tier == "memory":
+                    self.memory.pin(source.chunk_keys[0], 1)
+                    self._pinned.append(source.chunk_keys[0])
+            state.load_blocks = 0
+        state.matched = []
+
+    def _plan_saves(self, req_id: str, state: _RequestState, computed: int, meta: KVLabMetadata) -> None:
+        """Save each chunk of full prompt blocks once this step has computed all of it,
+        unless every tier that would take it holds it already; the memory tier takes it
+        when the budget allows, evicting (the workers drop what is evicted)."""
+        full = len(state.keys)
+        while state.next_chunk * self.chunk_blocks < full:
+            first = state.next_chunk * self.chunk_blocks
+            last = min(first + self.chunk_blocks, full)
+            if last * self.block_size > computed or last > len(state.block_ids):
+                return
+            keys = tuple(state.keys[first:last])
+            in_memory = self.memory is not None and keys[-1] in self.memory
+            keep = False
+            if self.memory is not None and not in_memory:
+                evicted = self.memory.reserve(keys, (last - first) * self.block_bytes)
+                keep = evicted is not None
+                meta.drops += evicted or []
+            shared_missing = self.shared is not None and self._shared_source(keys[-1]) is None
+            if keep or shared_missing:
+                meta.saves.append(SaveSpec(req_id, keys, state.block_ids[first:last], memory=keep,
+                                           shared=shared_missing))
+                state.saves += 1
+            state.next_chunk += 1
+
+    def update_connector_output(self, worker_meta: KVLabWorkerMeta | None) -> None:
+        self._unpin()
+        if worker_meta is None:
+            return
+        if worker_meta.signature is not None and self.signature is None:
+            self.signature = worker_meta.signature
+        for chunk_key, workers in worker_meta.stored.items():
+            if self.memory is not None:
+                self.memory.acknowledge(chunk_key, workers)
+        for chunk_key in worker_meta.failed:
+            if self.memory is not None:
+                self.memory.forget(chunk_key)
+                self._drops.append(chunk_key)  # a worker that did store it must not keep it alone
+
+    def _unpin(self) -> None:
+        for chunk_key in self._pinned:
+            self.memory.pin(chunk_key, -1)
+        self._pinned = []
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        """Hold a finished request's blocks until its saves are done (the workers report it
+        in ``get_finished``), when saves run beside the forward."""
+        state = self._requests.pop(request.request_id, None)
+        return bool(state and state.saves and self.config.async_saves), None
+
+    def has_pending_work(self) -> bool:
+        return self.memory is not None and self.memory.has_pending()
+
+    def reset_cache(self) -> bool:
+        """Forget the workers' memory tiers (the shared tiers stay): vLLM's
+        ``reset_prefix_cache(reset_connector=True)``."""
+        if self.memory is not None:
+            self.memory.clear()
+        self._pinned = []
+        self._reset = True
+        return True
+
+
+def _block_bytes(vllm_config: VllmConfig, kv_cache_config: Any) -> int:
+    """Bytes one block of every layer takes on one worker: vLLM's KV cache spec when it is
+    there, else the model's geometry."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    if groups:
+        return sum(group.kv_cache_spec.page_size_bytes * len(group.layer_names) for group in groups)
+    return engine_geometry(vllm_config).block_bytes

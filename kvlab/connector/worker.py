@@ -1,0 +1,292 @@
+"""KVLabConnector's worker side: the KV and every copy, in the worker process.
+
+It recognises the cache vLLM registers (kvlab.cache.adopt), loads what the step's
+metadata lists (from its memory tier or a shared tier, each chunk checked) before the
+forward or layer by layer, and saves: the copy out of the cache, the checksum and the
+writes run on a thread beside the forward (``async_saves``), so the model runner only
+queues them. Finished requests whose saves are done are reported in ``get_finished``
+(vLLM holds their blocks until then); chunks kept in memory are reported to the scheduler
+in the step's worker metadata. No fault of a tier or a copy reaches a request: a failed
+save is counted, a failed load is handed back to vLLM to recompute."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from kvlab.cache.allocation import KVCache, allocate
+from kvlab.cache.geometry import ModelGeometry
+from kvlab.connector.config import ConnectorConfig
+from kvlab.connector.messages import KVLabMetadata, KVLabWorkerMeta, LoadSpec, SaveSpec
+from kvlab.connector.stores import ConnectorStats, worker_store
+from kvlab.store.chunk import Chunk
+from kvlab.store.keys import shard_key, signature
+from kvlab.transfer.common import in_callers_mode
+from kvlab.transfer.engine import Transfer, host_buffer, run_all
+from kvlab.transfer.layerwise import LayerwiseLoad
+from kvlab.transfer.plan import copy_plan
+from kvlab.transfer.registry import method_status
+
+logger = logging.getLogger("kvlab.connector")
+
+
+@functools.lru_cache(maxsize=32)
+def runs_per_block(layout: str, geometry: ModelGeometry, num_blocks: int, per_layer: bool) -> int:
+    """Contiguous runs one cache block occupies (summed over layers when ``per_layer``:
+    a layer-by-layer copy cannot merge across layers). Planned on the meta device."""
+    cache = allocate(layout, geometry, num_blocks, "meta")
+    one = allocate(layout, geometry, 1, "meta")
+    if not per_layer:
+        return copy_plan(cache, [0], one, [0]).segments
+    return sum(copy_plan(cache, [0], one, [0], [i]).segments for i in range(geometry.num_layers))
+
+
+def tensor_parallel_rank() -> tuple[int, int]:
+    """(rank, workers) of this worker; (0, 1) outside a vLLM worker."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    except (AssertionError, ImportError):
+        return 0, 1
+
+
+class WorkerSide:
+    def __init__(self, config: ConnectorConfig, stats: ConnectorStats) -> None:
+        self.config = config
+        self.stats = stats
+        self.store = worker_store(config)
+        self.rank, self.workers = tensor_parallel_rank()
+        self.cache: KVCache | None = None
+        self.signature: str | None = None
+        self._reported_signature = False
+        self._layer_index: dict[str, int] = {}
+        self._loads: list[LayerwiseLoad] = []
+        self._load_errors: set[int] = set()
+        self._copy_workers = 1
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvlab-save") if config.async_saves else None
+        self._lock = threading.Lock()
+        self._jobs: dict[str, list[Future]] = {}  # request -> its save jobs not yet reported
+        self._finished: set[str] = set()  # finished requests waiting for their saves
+        self._stored: Counter = Counter()
+        self._failed: set[str] = set()
+
+    # ---- registration ------------------------------------------------------------------
+    def register(self, cache: KVCache) -> None:
+        why = method_status(self.config.method, cache, host_buffer(cache, 1))
+        if why is not None:
+            raise ValueError(f"KVLabConnector: method {self.config.method!r} cannot run here: {why}")
+        self.cache = cache
+        if cache.storage[0].device.type == "cpu" and hasattr(os, "sched_getaffinity"):
+            # chunk loads may use every core this process may run on: vLLM's CPU engine runs
+            # the model on fewer threads, and nothing else computes during a load
+            self._copy_workers = len(os.sched_getaffinity(0))
+        self._layer_index = {name: i for i, name in enumerate(cache.layers)}
+        self.signature = signature(cache)
+        self.stats.layout = cache.layout.name
+        if self.config.enable_cross_layers_blocks and not cache.layout.is_cross_layer:
+            logger.warning("KVLabConnector: cross-layer blocks were asked for but vLLM handed over %s "
+                           "(per-layer); moving per-layer segments", cache.layout.name)
+        logger.info("KVLabConnector: rank %d of %d registered a %s cache of %d blocks of %d tokens (%s); tiers %s",
+                    self.rank, self.workers, cache.layout.name, cache.num_blocks, cache.geometry.block_size,
+                    "one segment per block" if cache.layout.is_cross_layer else "per-layer segments",
+                    list(self.config.tier_names))
+
+    # ---- loads -------------------------------------------------------------------------
+    def start_load_kv(self, meta: KVLabMetadata) -> None:
+        if not meta.loads:
+            return
+        start = time.perf_counter()
+        try:
+            self._start_loads(meta.loads)
+        except Exception as error:  # a load that cannot run is recomputed, never fatal
+            self._fail_loads(meta.loads, error)
+        self.stats.load_seconds += time.perf_counter() - start
+
+    def _start_loads(self, loads: list[LoadSpec]) -> None:
+        sources = []
+        for spec in loads:
+            for chunk, positions, block_ids in self._by_chunk(spec):
+                if chunk is None or chunk.signature != self.signature:
+                    self._load_errors.update(block_ids)
+                    self.stats.load_errors += 1
+                    continue
+                sources.append((chunk.buffer, positions, block_ids))
+                self.stats.loaded_blocks += len(block_ids)
+                self.stats.load_segments += self._segments(len(block_ids), self.config.layerwise)
+        if self.config.layerwise and sources:  # one copy thread (or stream) for the step, layer by layer
+            self._loads.append(LayerwiseLoad.from_sources(self.cache, sources, self.config.method).start())
+        else:
+            run_all([Transfer(buffer, positions, self.cache, block_ids, self.config.method)
+                     for buffer, positions, block_ids in sources], self._copy_workers)
+
+    def _by_chunk(self, spec: LoadSpec) -> list[tuple[Chunk | None, list[int], list[int]]]:
+        """The step's sources grouped by chunk, each chunk fetched (and checked) once."""
+        groups: list[tuple[Any, Chunk | None, list[int], list[int]]] = []
+        for source, block_id in zip(spec.sources, spec.block_ids):
+            ident = (source.tier, source.chunk_keys[self.rank])
+            if not groups or groups[-1][0] != ident:
+                groups.append((ident, self._fetch(*ident), [], []))
+            groups[-1][2].append(source.position)
+            groups[-1][3].append(block_id)
+        return [(chunk, positions, block_ids) for _, chunk, positions, block_ids in groups]
+
+    def _fetch(self, tier: str, chunk_key: str) -> Chunk | None:
+        if tier == "memory":
+            with self._lock:
+                chunk = self.store.memory.get(chunk_key)
+            if chunk is not None and self.config.verify == "always" and not chunk.intact():
+                self.store.stats.corrupt += 1
+                with self._lock:  # gone here; the scheduler forgets it everywhere
+                    self.store.memory.discard(chunk_key)
+                    self._failed.add(chunk_key)
+                return None
+            return chunk
+        return self.store.tier(tier).get(chunk_key)
+
+    def _fail_loads(self, loads: list[LoadSpec], error: Exception) -> None:
+        """Hand every block of ``loads`` back to vLLM to recompute."""
+        self._loads.clear()
+        for spec in loads:
+            self._load_errors.update(spec.block_ids)
+        self.stats.load_errors += 1
+        logger.warning("KVLabConnector: a load failed (%s: %s); vLLM recomputes its %d blocks",
+                       type(error).__name__, error, sum(len(s.block_ids) for s in loads))
+
+    def _segments(self, blocks: int, per_layer: bool) -> int:
+        """Contiguous cache runs that moving ``blocks`` scattered blocks touches (all layers
+        at once, or layer by layer): what a one-copy-per-run engine would issue."""
+        cache = self.cache
+        return blocks * runs_per_block(cache.layout.name, cache.geometry, cache.num_blocks, per_layer)
+
+    def wait_for_layer_load(self, layer_name: str, meta: KVLabMetadata | None) -> None:
+        if not self._loads:
+            return
+        start = time.perf_counter()
+        index = self._layer_index[layer_name]
+        try:
+            for load in self._loads:
+                load.wait(index)
+            if index == len(self._layer_index) - 1:
+                self._finish_loads()
+        except Exception as error:
+            self._fail_loads(meta.loads if meta is not None else [], error)
+        self.stats.load_seconds += time.perf_counter() - start
+
+    def _finish_loads(self) -> None:
+        for load in self._loads:
+            load.finish()
+        self._loads.clear()
+
+    def load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # ---- saves -------------------------------------------------------------------------
+    def wait_for_save(self, meta: KVLabMetadata | None) -> None:
+        if self._loads:  # a step whose layers never all waited (e.g. no attention ran)
+            try:
+                self._finish_loads()
+            except Exception as error:
+                self._fail_loads(meta.loads if meta is not None else [], error)
+        if meta is None or not (meta.saves or meta.drops or meta.reset_memory):
+            return
+        start = time.perf_counter()
+        if meta.reset_memory or meta.drops:  # in order with the saves queued before them
+            self._run(None, functools.partial(self._drop, list(meta.drops), meta.reset_memory))
+        for spec in reversed(meta.saves):  # tail first: a full tier drops a prompt's tail, not its head
+            self._run(spec.req_id, functools.partial(self._save, spec))
+        self.stats.save_seconds += time.perf_counter() - start
+
+    def _run(self, req_id: str | None, job: Any) -> None:
+        if self._saver is None:
+            job()
+            return
+        future = self._saver.submit(in_callers_mode(job))
+        if req_id is not None:
+            with self._lock:
+                self._jobs.setdefault(req_id, []).append(future)
+
+    def _save(self, spec: SaveSpec) -> None:
+        """Copy the blocks out, seal, keep in memory if the scheduler made room, write
+        through to the shared tiers (this worker's shard under tensor parallelism)."""
+        start = time.perf_counter()
+        kept = False
+        try:
+            buffer = host_buffer(self.cache, len(spec.block_ids))
+            Transfer(self.cache, spec.block_ids, buffer, method=self.config.method).run()
+            self.stats.save_segments += self._segments(len(spec.block_ids), False)
+            chunk = Chunk(list(spec.block_keys), buffer, self.signature).seal()
+            if spec.memory:
+                with self._lock:
+                    kept = self.store.memory.put(chunk)
+            if spec.shared and self.store.shared:
+                shard = Chunk([shard_key(k, self.rank, self.workers) for k in spec.block_keys], buffer,
+                              chunk.signature, chunk.crc)
+                for tier in self.store.shared:
+                    tier.put(shard)
+            self.stats.saved_blocks += len(spec.block_ids)
+        except Exception as error:  # nothing of it is stored; the request goes on
+            self.stats.save_errors += 1
+            if self.stats.save_errors == 1:
+                logger.warning("KVLabConnector: a save failed (%s: %s); nothing of it is stored, requests go "
+                               "on (logged once; counted in save_errors)", type(error).__name__, error)
+        with self._lock:
+            if spec.memory and kept:
+                self._stored[spec.block_keys[-1]] += 1
+            elif spec.memory:
+                self._failed.add(spec.block_keys[-1])
+        self.stats.save_work_seconds += time.perf_counter() - start
+
+    def _drop(self, chunk_keys: list[str], everything: bool) -> None:
+        """Forget what the scheduler evicted (or everything, after a reset)."""
+        with self._lock:
+            if everything:
+                self.store.clear()
+            for key in chunk_keys:
+                self.store.stats.evicted += key in self.store.memory
+                self.store.memory.discard(key)
+
+    def handle_preemptions(self, meta: KVLabMetadata | None) -> None:
+        """A preempted request's blocks are about to be reused: its saves finish first."""
+        if meta is None or not meta.preempted:
+            return
+        with self._lock:
+            futures = [f for req_id in meta.preempted for f in self._jobs.get(req_id, ())]
+        for future in futures:
+            future.result()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Finished requests whose saves are all done (vLLM frees their blocks now)."""
+        with self._lock:
+            self._finished |= {r for r in finished_req_ids if r in self._jobs}
+            done = {r for r in self._finished if all(f.done() for f in self._jobs[r])}
+            for req_id in done:
+                del self._jobs[req_id]
+            self._finished -= done
+            for req_id in [r for r, jobs in self._jobs.items() if r not in self._finished and all(f.done() for f in jobs)]:
+                self._jobs[req_id] = []  # a running request's finished saves: nothing left to wait for
+        return done or None, None
+
+    def worker_meta(self) -> KVLabWorkerMeta | None:
+        with self._lock:
+            meta = KVLabWorkerMeta(self._stored, self._failed,
+                                   self.signature if not self._reported_signature else None)
+            self._stored, self._failed = Counter(), set()
+        self._reported_signature = self._reported_signature or meta.signature is not None
+        return meta if meta else None
+
+    def flush(self) -> None:
+        """Wait for every queued save (at shutdown, and in tests)."""
+        if self._saver is not None:
+            self._saver.submit(lambda: None).result()
+
+    def shutdown(self) -> None:
+        if self._saver is not None:
+            self._saver.shutdown(wait=True)

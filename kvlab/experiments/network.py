@@ -1,0 +1,217 @@
+"""The cross-layer question over a network tier: what a prefix costs in a Redis server when
+each contiguous run of the cache is its own object (a per-layer cache's zero-copy way),
+when a chunk is gathered into one object first (KVLabConnector's Redis tier, with its
+header and checksum), per cache layout. A per-layer cache (LBHNC) has a run per layer and
+block; a cross-layer one (BLHNC) a run per block, or per run of adjacent blocks.
+
+Every strategy is timed against the same server moving the same bytes as one value per
+chunk from memory that is already contiguous (the ceiling: the server and its socket)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from kvlab.cache.allocation import KVCache, allocate
+from kvlab.cache.geometry import ModelGeometry
+from kvlab.store.chunk import Chunk
+from kvlab.store.keys import signature
+from kvlab.store.tiers import RedisTier, StoreStats
+from kvlab.transfer.engine import Transfer, host_buffer
+from kvlab.transfer.plan import copy_plan
+
+STRATEGIES = ("object per run", "object per chunk (gather)", "kvlab Redis tier")
+PREFIX = "kvlab-bench:"
+
+
+def _runs(cache: KVCache, block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(tensor, byte offset, bytes) of each contiguous run ``block_ids`` occupy in ``cache``."""
+    plan = copy_plan(cache, block_ids, host_buffer(cache, len(block_ids)), range(len(block_ids)))
+    tensors, offsets, _, _, lengths = plan.lists
+    return list(zip(tensors, offsets, lengths))
+
+
+def _gather(cache: KVCache, block_ids: Sequence[int]) -> torch.Tensor:
+    """The blocks' bytes, packed (to compare what was stored with what came back)."""
+    buffer = host_buffer(cache, len(block_ids))
+    Transfer(cache, block_ids, buffer).run()
+    return torch.cat([tensor.view(-1).view(torch.uint8) for tensor in buffer.storage])
+
+
+def _bytes_of(cache: KVCache) -> list[torch.Tensor]:
+    return [tensor.view(-1).view(torch.uint8) for tensor in cache.storage]
+
+
+class _PerRun:
+    """One Redis value per contiguous run, all of a chunk's in one pipelined round trip."""
+
+    def __init__(self, client: Any, cache: KVCache, chunks: list[list[int]]) -> None:
+        self.client, self.flat = client, _bytes_of(cache)
+        self.runs = [_runs(cache, ids) for ids in chunks]
+        self.round_trips = 0
+
+    def objects_per_chunk(self) -> float:
+        return statistics.mean(len(runs) for runs in self.runs)
+
+    def store(self) -> None:
+        for c, runs in enumerate(self.runs):
+            pipe = self.client.pipeline(transaction=False)
+            for r, (tensor, offset, length) in enumerate(runs):
+                pipe.set(f"{PREFIX}{c}:{r}", memoryview(self.flat[tensor][offset:offset + length].numpy()))
+            pipe.execute()
+            self.round_trips += 1
+
+    def fetch(self) -> None:
+        for c, runs in enumerate(self.runs):
+            pipe = self.client.pipeline(transaction=False)
+            for r in range(len(runs)):
+                pipe.get(f"{PREFIX}{c}:{r}")
+            values = pipe.execute()
+            self.round_trips += 1
+            for (tensor, offset, length), value in zip(runs, values):
+                self.flat[tensor][offset:offset + length].copy_(torch.frombuffer(bytearray(value), dtype=torch.uint8))
+
+
+class _Gathered:
+    """Each chunk gathered into a packed buffer and stored as one value."""
+
+    def __init__(self, client: Any, cache: KVCache, chunks: list[list[int]]) -> None:
+        self.client, self.cache, self.chunks = client, cache, chunks
+        self.buffers = [host_buffer(cache, len(ids)) for ids in chunks]
+        self.round_trips = 0
+
+    def objects_per_chunk(self) -> float:
+        return 1.0
+
+    def store(self) -> None:
+        for c, (ids, buffer) in enumerate(zip(self.chunks, self.buffers)):
+            Transfer(self.cache, ids, buffer).run()
+            self.client.set(f"{PREFIX}{c}", b"".join(memoryview(t.view(-1).view(torch.uint8).numpy())
+                                                   for t in buffer.storage))
+            self.round_trips += 1
+
+    def fetch(self) -> None:
+        for c, (ids, buffer) in enumerate(zip(self.chunks, self.buffers)):
+            value = torch.frombuffer(bytearray(self.client.get(f"{PREFIX}{c}")), dtype=torch.uint8)
+            self.round_trips += 1
+            start = 0
+            for tensor in buffer.storage:
+                flat = tensor.view(-1).view(torch.uint8)
+                flat.copy_(value[start:start + flat.numel()])
+                start += flat.numel()
+            Transfer(buffer, range(len(ids)), self.cache, ids).run()
+
+
+class _Tier:
+    """KVLabConnector's Redis tier: gather, seal (CRC32C), one value and the blocks' index
+    entries per chunk; a fetch locates its blocks (one MGET), reads and checks the chunk, scatters."""
+
+    def __init__(self, url: str, cache: KVCache, chunks: list[list[int]]) -> None:
+        self.tier = RedisTier(url, StoreStats())
+        self.tier.PREFIX = PREFIX + "tier:"
+        self.cache, self.chunks, self.signature = cache, chunks, signature(cache)
+        self.keys = [[f"{c:04x}{b:028x}" for b in range(len(ids))] for c, ids in enumerate(chunks)]
+
+    @property
+    def round_trips(self) -> int:
+        return self.tier.round_trips
+
+    def objects_per_chunk(self) -> float:
+        return 1.0 + statistics.mean(len(ids) for ids in self.chunks)  # the value, and a name per block
+
+    def store(self) -> None:
+        for ids, keys in zip(self.chunks, self.keys):
+            buffer = host_buffer(self.cache, len(ids))
+            Transfer(self.cache, ids, buffer).run()
+            if not self.tier.put(Chunk(keys, buffer, self.signature).seal()):
+                raise RuntimeError("the Redis tier did not store a chunk")
+
+    def fetch(self) -> None:
+        for ids, keys in zip(self.chunks, self.keys):
+            chunk_key = {found[0] for found in self.tier.locate_many(keys)}.pop()
+            chunk = self.tier.get(chunk_key)
+            if chunk is None:
+                raise RuntimeError("the Redis tier lost a chunk")
+            Transfer(chunk.buffer, range(len(ids)), self.cache, ids).run()
+
+
+class _Ceiling:
+    """The same bytes as one ready value per chunk: the server and the socket, no cache."""
+
+    def __init__(self, client: Any, chunk_bytes: list[int]) -> None:
+        self.client = client
+        self.values = [bytes(n) for n in chunk_bytes]
+        self.round_trips = 0
+
+    def store(self) -> None:
+        for c, value in enumerate(self.values):
+            self.client.set(f"{PREFIX}ceiling:{c}", value)
+
+    def fetch(self) -> None:
+        for c in range(len(self.values)):
+            self.client.get(f"{PREFIX}ceiling:{c}")
+
+
+def _median(fn: Callable[[], None], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def redis_prefix_costs(url: str, geometry: ModelGeometry, layouts: Sequence[str] = ("LBHNC", "BLHNC"),
+                       tokens: int = 2048, chunk_tokens: int = 256, repeats: int = 5, seed: int = 0) -> list[dict]:
+    """Store and fetch a ``tokens``-token prefix of random KV through the Redis server at
+    ``url`` with each strategy, per layout: objects and round trips per chunk, median
+    seconds over ``repeats``, the ceiling measured between them, and whether every fetched
+    byte equals what was stored. The blocks are scattered in the cache (as vLLM's
+    allocator leaves them after a while), so no two are adjacent."""
+    import redis
+
+    if tokens % chunk_tokens or chunk_tokens % geometry.block_size:
+        raise ValueError(f"tokens ({tokens}) must be whole chunks of chunk_tokens ({chunk_tokens}), "
+                         f"and a chunk whole blocks of {geometry.block_size}")
+    client = redis.Redis.from_url(url, socket_timeout=30)
+    client.ping()
+    blocks = tokens // geometry.block_size
+    per_chunk = chunk_tokens // geometry.block_size
+    generator = torch.Generator().manual_seed(seed)
+    block_ids = (2 * torch.randperm(blocks, generator=generator)).tolist()  # every other block: never adjacent
+    chunks = [block_ids[i:i + per_chunk] for i in range(0, blocks, per_chunk)]
+    rows = []
+    for layout in tqdm(layouts, desc="layouts", unit="layout"):
+        cache = allocate(layout, geometry, 2 * blocks)
+        for tensor in cache.storage:
+            tensor.view(-1).view(torch.uint8).copy_(torch.randint(0, 256, (tensor.numel() * tensor.element_size(),),
+                                                                  dtype=torch.uint8, generator=generator))
+        expected = _gather(cache, block_ids)
+        chunk_bytes = [len(ids) * geometry.block_bytes for ids in chunks]
+        ceiling = _Ceiling(client, chunk_bytes)
+        for strategy in STRATEGIES:
+            way = {"object per run": lambda: _PerRun(client, cache, chunks),
+                   "object per chunk (gather)": lambda: _Gathered(client, cache, chunks),
+                   "kvlab Redis tier": lambda: _Tier(url, cache, chunks)}[strategy]()
+            client.flushdb()
+            store_s, ceiling_store_s = _median(way.store, repeats), _median(ceiling.store, repeats)
+            objects = client.dbsize() - len(chunks)  # less the ceiling's values
+            trips = way.round_trips
+            Transfer(host_buffer(cache, len(block_ids)), range(len(block_ids)), cache, block_ids).run()  # zeros
+            fetch_s, ceiling_fetch_s = _median(way.fetch, repeats), _median(ceiling.fetch, repeats)
+            rows.append({
+                "layout": layout, "cross_layer": cache.layout.is_cross_layer, "strategy": strategy,
+                "tokens": tokens, "chunk_tokens": chunk_tokens, "chunks": len(chunks), "bytes": sum(chunk_bytes),
+                "objects_per_chunk": objects / len(chunks), "planned_objects_per_chunk": way.objects_per_chunk(),
+                "store_round_trips_per_chunk": trips / repeats / len(chunks),
+                "fetch_round_trips_per_chunk": (way.round_trips - trips) / repeats / len(chunks),
+                "store_s": store_s, "fetch_s": fetch_s,
+                "ceiling_store_s": ceiling_store_s, "ceiling_fetch_s": ceiling_fetch_s,
+                "identical": torch.equal(_gather(cache, block_ids), expected),
+            })
+        client.flushdb()
+    return rows

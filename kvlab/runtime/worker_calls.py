@@ -1,0 +1,72 @@
+"""What an engine process asks of its workers, wherever they run: through
+``LLM.collective_rpc`` each function here runs in every worker process (the worker is its
+first argument). They live in an importable module so that vLLM sends them by name.
+
+The clock times the model runner inside the connector's worker-side calls (loads:
+``start_load_kv``, ``wait_for_layer_load``; saves: ``save_kv_layer``, ``wait_for_save``),
+whatever the connector class: what a forward pass pays for it."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+
+class ConnectorClock:
+    """Seconds the model runner spends inside the connector's worker-side calls (loads:
+    ``start_load_kv``, ``wait_for_layer_load``; saves: ``save_kv_layer``,
+    ``wait_for_save``), whatever the connector class: what a forward pass pays for it."""
+
+    CALLS = {"start_load_kv": "load_s", "wait_for_layer_load": "load_s",
+             "save_kv_layer": "save_s", "wait_for_save": "save_s"}
+
+    def __init__(self, transfer: dict | None) -> None:
+        self.seconds = {"load_s": 0.0, "save_s": 0.0}
+        if transfer is None:
+            return
+        from vllm.config import KVTransferConfig
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+        cls = KVConnectorFactory.get_connector_class(KVTransferConfig(**transfer))
+        for name, bucket in self.CALLS.items():
+            setattr(cls, name, self._timed(getattr(cls, name), bucket))
+
+    def _timed(self, method, bucket: str):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds[bucket] += time.perf_counter() - start
+        return timed
+
+    def read(self) -> dict[str, float]:
+        """The seconds since the last read."""
+        spent, self.seconds = self.seconds, {"load_s": 0.0, "save_s": 0.0}
+        return spent
+
+
+_CLOCK: ConnectorClock | None = None
+
+
+def start_clock(worker: Any, transfer: dict | None) -> None:
+    global _CLOCK
+    _CLOCK = ConnectorClock(transfer)
+
+
+def read_clock(worker: Any) -> dict[str, float]:
+    """The seconds since the last read."""
+    return _CLOCK.read() if _CLOCK is not None else {"load_s": 0.0, "save_s": 0.0}
+
+
+def connector_stats(worker: Any) -> dict:
+    from kvlab.connector.stores import all_stats
+
+    return all_stats()
+
+
+def zero_memory(worker: Any) -> None:
+    """Zero the connector's memory chunks (the accuracy checks' sensitivity control)."""
+    from kvlab.connector.stores import zero_memory_tiers
+
+    zero_memory_tiers()

@@ -1,0 +1,192 @@
+"""KVLabConnector as vLLM deploys it, driven without an engine: the scheduler side and the
+workers share nothing but picklable metadata and reports; tensor-parallel ranks each keep
+their own shard; shared memory and a real Redis server let another engine (another
+process, another host) hit; saves run beside the forward and a request's blocks are held
+until they are done; faults of a remote tier are misses, never errors. Engine runs:
+tests/integration/test_deployed_engines.py."""
+
+from __future__ import annotations
+
+import pickle
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from kvlab.cache import ModelGeometry  # noqa: E402
+from kvlab.connector import KVLabMetadata, reset_stores  # noqa: E402
+from kvlab.connector.driver import (  # noqa: E402
+    connector_group, prefill, register, schedule, settle, step, vllm_request,
+)
+
+RANK = ModelGeometry("tp-rank", 4, 1, 64, torch.float32, 16)  # one rank's share of 2 kv heads
+BS, NUM_BLOCKS = RANK.block_size, 24
+PROMPT = list(range(4 * BS + 1))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_stores():
+    reset_stores()
+    yield
+    reset_stores()
+
+
+def engine(extra: dict, workers: int = 1):
+    """A scheduler and its workers, each registered with a cache of its own random bytes."""
+    scheduler, group = connector_group(RANK, NUM_BLOCKS, extra, workers=workers)
+    for rank, worker in enumerate(group):
+        register(worker, "vllm>=0.29 CPU_LBHNC", RANK, NUM_BLOCKS)
+        for tensor in worker.cache.storage:
+            tensor.view(torch.int32).random_(generator=torch.Generator().manual_seed(rank))
+    settle(scheduler, group)  # the first step: the workers say what cache they hold
+    return scheduler, group
+
+
+def blocks_of(worker, block_ids: list[int]) -> torch.Tensor:
+    """The blocks' bytes (as integers: random bits hold NaNs, which never compare equal)."""
+    return torch.cat([view[block_ids].reshape(-1).view(torch.int32) for view in worker.cache.layers.values()])
+
+
+def test_metadata_and_reports_are_small_and_hold_no_tensor():
+    scheduler, (worker,) = engine({})
+    request = vllm_request("a", PROMPT)
+    scheduler.get_num_new_matched_tokens(request, 0)
+    scheduler.update_state_after_alloc(request, None, 0)
+    meta = scheduler.build_connector_meta(schedule("a", PROMPT, [0, 1, 2, 3, 4], 0))
+    assert isinstance(meta, KVLabMetadata) and meta.saves
+    blob = pickle.dumps(meta)
+    assert len(blob) < 2000 and b"torch" not in blob
+    worker.bind_connector_metadata(meta)
+    worker.wait_for_save()
+    worker.worker.flush()
+    report = worker.build_connector_worker_meta()
+    assert b"torch" not in pickle.dumps(report) and report.stored
+
+
+def test_tensor_parallel_ranks_keep_their_own_shards(tmp_path):
+    """Two ranks, each its own bytes: each gets its own back, from memory and, in a new
+    engine, from shared memory; a rank missing its shard makes the block a miss."""
+    extra = {"tiers": ["memory", "shm"], "shm_path": str(tmp_path / "shm")}
+    scheduler, group = engine(extra, workers=2)
+    prefill(scheduler, group, "a", PROMPT, [0, 1, 2, 3, 4])
+    expected = [blocks_of(w, [0, 1, 2, 3]) for w in group]
+    assert not torch.equal(*expected), "the ranks hold different heads"
+    assert prefill(scheduler, group, "b", PROMPT, [5, 6, 7, 8, 9])["hit_tokens"] == 4 * BS
+    assert all(torch.equal(blocks_of(w, [5, 6, 7, 8]), e) for w, e in zip(group, expected))
+
+    reset_stores()
+    scheduler, fresh = engine(extra, workers=2)
+    for worker in fresh:
+        for tensor in worker.cache.storage:
+            tensor.zero_()
+    assert prefill(scheduler, fresh, "c", PROMPT, [10, 11, 12, 13, 14])["hit_tokens"] == 4 * BS
+    assert all(torch.equal(blocks_of(w, [10, 11, 12, 13]), e) for w, e in zip(fresh, expected))
+
+    shards = sorted((tmp_path / "shm").iterdir())
+    assert len(shards) == 2, "one chunk per rank"
+    reset_stores()
+    scheduler, fresh = engine({**extra, "tiers": ["shm"]}, workers=2)
+    shards[0].unlink()  # one rank lost its shard: the block is a miss for every rank
+    assert prefill(scheduler, fresh, "d", PROMPT, [15, 16, 17, 18, 19])["hit_tokens"] == 0
+
+
+def test_a_block_still_being_stored_is_waited_for_not_recomputed(monkeypatch):
+    """Another request for a prefix whose saves are in flight waits (the lookup asks vLLM
+    to try again) instead of recomputing it; then it hits."""
+    scheduler, (worker,) = engine({})
+    release = []
+    slow = worker.worker._save
+
+    def held_save(spec):
+        while not release:
+            time.sleep(0.01)
+        slow(spec)
+
+    monkeypatch.setattr(worker.worker, "_save", held_save)
+    request = vllm_request("a", PROMPT)
+    scheduler.get_num_new_matched_tokens(request, 0)
+    scheduler.update_state_after_alloc(request, None, 0)
+    step(scheduler, worker, schedule("a", PROMPT, [0, 1, 2, 3, 4], 0))
+    assert scheduler.request_finished(request, [0, 1, 2, 3, 4])[0], "blocks held while the save runs"
+    assert scheduler.get_num_new_matched_tokens(vllm_request("b", PROMPT), 0) == (None, False)
+    assert not step(scheduler, worker, schedule_nothing(), finished={"a"})["report"].finished_sending
+    release.append(True)
+    assert settle(scheduler, worker) == {"a"}, "released once saved"
+    assert scheduler.get_num_new_matched_tokens(vllm_request("b", PROMPT), 0) == (4 * BS, False)
+
+
+def schedule_nothing():
+    from kvlab.connector.driver import empty_step
+
+    return empty_step()
+
+
+def test_a_preempted_requests_saves_finish_before_its_blocks_are_reused(monkeypatch):
+    scheduler, (worker,) = engine({})
+    done = []
+    slow = worker.worker._save
+
+    def slow_save(spec):
+        time.sleep(0.3)
+        slow(spec)
+        done.append(spec.req_id)
+
+    monkeypatch.setattr(worker.worker, "_save", slow_save)
+    request = vllm_request("a", PROMPT)
+    scheduler.get_num_new_matched_tokens(request, 0)
+    scheduler.update_state_after_alloc(request, None, 0)
+    step(scheduler, worker, schedule("a", PROMPT, [0, 1, 2, 3, 4], 0))
+    preempting = schedule_nothing()
+    preempting.preempted_req_ids = {"a"}
+    step(scheduler, worker, preempting)
+    assert done == ["a"], "handle_preemptions waited for the save"
+
+
+def test_redis_tier_serves_another_engine_and_absorbs_its_faults(redis_server):
+    """Engine A stores through Redis; engine B (another process, another host) hits and
+    gets the same bytes; a damaged value is a miss; a dead server makes every lookup a
+    quick miss and every save a counted error, never an exception."""
+    import redis
+
+    extra = redis_server.extra()
+    scheduler, (worker,) = engine(extra)
+    prefill(scheduler, worker, "a", PROMPT, [0, 1, 2, 3, 4])
+    expected = blocks_of(worker, [0, 1, 2, 3])
+    reset_stores()
+    scheduler_b, (worker_b,) = engine(extra)
+    assert prefill(scheduler_b, worker_b, "b", PROMPT, [5, 6, 7, 8, 9])["hit_tokens"] == 4 * BS
+    assert torch.equal(blocks_of(worker_b, [5, 6, 7, 8]), expected)
+
+    client = redis.Redis.from_url(redis_server.url)
+    for key in client.keys("kvlab:c:*"):
+        value = bytearray(client.get(key))
+        value[-3] ^= 0x10
+        client.set(key, bytes(value))
+    reset_stores()
+    scheduler_c, (worker_c,) = engine({**extra, "tiers": ["redis"]})
+    assert prefill(scheduler_c, worker_c, "c", PROMPT, [10, 11, 12, 13, 14])["hit_tokens"] == 0
+    assert worker_c.store.stats.corrupt >= 1
+
+    redis_server.stop()
+    began = time.monotonic()
+    result = prefill(scheduler_c, worker_c, "d", PROMPT, [15, 16, 17, 18, 19])
+    assert result["hit_tokens"] == 0 and time.monotonic() - began < 10
+    assert worker_c.store.stats.read_errors + worker_c.store.stats.write_errors >= 1
+
+
+def test_redis_down_at_start_up_is_a_clear_error():
+    from kvlab.runtime.servers import free_port
+
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    with pytest.raises(ValueError, match=f"cannot reach {url}"):
+        connector_group(RANK, NUM_BLOCKS, {"tiers": ["memory", "redis"], "redis_url": url})
+
+
+def test_no_redis_server_command_is_a_clear_error(monkeypatch, tmp_path):
+    from kvlab.runtime.redis import RedisError, RedisServer
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(RedisError, match="no redis-server command"):
+        RedisServer().start()
