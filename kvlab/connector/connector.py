@@ -41,11 +41,24 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvlab.connector")
 
 
+def log_with_vllm() -> None:
+    """Send kvlab's log lines (the connector's and the store's) to vLLM's own handlers:
+    ``vllm serve`` configures only the ``vllm`` logger, so an out-of-tree connector's INFO
+    lines (registration, tiers) would be lost and its warnings printed bare."""
+    ours, theirs = logging.getLogger("kvlab"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.getEffectiveLevel())
+
+
 class KVLabConnector(KVConnectorBase_V1):
     """Offload and reload prompt KV through kvlab.transfer and kvlab's tiers."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        log_with_vllm()
         self.config = ConnectorConfig.parse(self._kv_transfer_config.kv_connector_extra_config)
         self._stats = shared(self.config).stats
         self.scheduler: SchedulerSide | None = None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.resources
 import json
+import re
 
 import pytest
 from conftest import prepared, running
@@ -70,6 +71,9 @@ def test_the_seeds_command_verbatim_serves_repeats_from_the_connector(tmp_path, 
     # both repeats compute the last tokens on top of the cold run's KV: the same text, bf16 or not
     assert connector_repeat["choices"][0]["text"] == vllm_repeat["choices"][0]["text"]
     assert salted == [0, 0, reused]
+    # kvlab's lines reach vLLM's own log (vllm serve configures only the "vllm" logger)
+    assert re.search(r"KVLabConnector: rank 0 of 1 registered a \S+ cache of \d+ blocks of \d+ tokens",
+                     (tmp_path / "serve.log").read_text())
 
 
 def test_bad_extra_config_fails_start_up_and_leaves_nothing(tmp_path):
