@@ -201,7 +201,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     models = sub.add_parser("models", help="prepare or list the local model folders (SmolLM2, a tiny Llama)")
     models_sub = models.add_subparsers(dest="action", required=True)
     prepare = models_sub.add_parser("prepare", help="build the folders that are missing (SmolLM2 from its GGUF)")
-    prepare.add_argument("--only", choices=["smollm2", "tiny"], default=None, help="one family (default: all)")
+    prepare.add_argument("--only", choices=["smollm2", "tiny", "minis"], default=None,
+                         help="one family (default: all)")
     listing = models_sub.add_parser("list", help="which folders are prepared, where, and their size")
     for models_parser in (prepare, listing):
         models_parser.add_argument("--models-dir", default=None,

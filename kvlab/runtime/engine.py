@@ -60,6 +60,7 @@ class EngineSpec:
     lora_adapters: dict[str, str] = field(default_factory=dict)
     multiprocessing: bool = False  # vLLM's default process layout (engine core and workers apart)
     tensor_parallel_size: int = 1  # > 1 implies multiprocessing: one worker process per rank
+    attention_backend: str | None = None  # e.g. "CPU_MLA": on AMX CPUs vLLM picks AMX_MLA, bf16 only
 
     def environment(self) -> dict[str, str]:
         """What the engine process needs on top of the pinned threads: vLLM's default
@@ -84,6 +85,17 @@ def check_inputs(model: str | Path, prompts: list[list[int]]) -> None:
                                 "kvlab.runtime.models.model_path gives the prepared ones)")
 
 
+# vLLM's CPU MLA backend (vllm/v1/attention/backends/mla/cpu_mla.py) takes only this block size.
+CPU_MLA_BLOCK_SIZE = 16
+
+
+def _check_mla_block_size(spec: EngineSpec) -> None:
+    config = json.loads((Path(spec.model) / "config.json").read_text())
+    if config.get("kv_lora_rank") and spec.block_size != CPU_MLA_BLOCK_SIZE:
+        raise ValueError(f"{Path(spec.model).name} is an MLA model: vLLM's CPU MLA backend needs "
+                         f"block_size={CPU_MLA_BLOCK_SIZE}, not {spec.block_size}")
+
+
 def run_engine(spec: EngineSpec, prompts: list[list[int]], timeout: float = 900,
                forced: list[list[int] | None] | None = None, salts: list[str | None] | None = None,
                loras: list[str | None] | None = None) -> dict:
@@ -99,6 +111,7 @@ def run_engine(spec: EngineSpec, prompts: list[list[int]], timeout: float = 900,
     ``salts[i]`` is prompt i's ``cache_salt`` (vLLM's per-tenant prefix-cache isolation),
     ``loras[i]`` the name of one of ``spec.lora_adapters`` to run prompt i with."""
     check_inputs(spec.model, prompts)
+    _check_mla_block_size(spec)
     for name, values in (("salts", salts), ("loras", loras)):
         if values is not None and len(values) != len(prompts):
             raise ValueError(f"{name} needs one entry per prompt (None for none)")
@@ -182,6 +195,7 @@ def _child(job_path: str, out_path: str) -> None:
               enable_prefix_caching=spec.prefix_caching, max_model_len=spec.max_model_len, seed=0,
               max_num_batched_tokens=spec.max_num_batched_tokens, **_lora_options(spec),
               tensor_parallel_size=spec.tensor_parallel_size,
+              **({"attention_backend": spec.attention_backend} if spec.attention_backend else {}),
               kv_transfer_config=KVTransferConfig(**transfer) if transfer else None,
               logits_processors=[_forced_tokens_processor()] if any(forced) else None)
 

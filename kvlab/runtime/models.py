@@ -14,7 +14,14 @@ smollm2-135m-instruct[-bf16]       SmolLM2 in bf16 (vLLM's dtype on CPUs)
 smollm2-135m-instruct-fp32         SmolLM2 in fp32 (bitwise-reproducible comparisons)
 tiny-llama[-fp32]                  4 layers, 2 kv heads of 64, random, fp32
 tiny-llama-bf16                    the same in bf16
+mini-qwen2-fp32                    Qwen2 (as DeepSeek-R1-Distill-Qwen-1.5B): 2 kv heads of 128
+mini-qwen3-moe-fp32                Qwen3-MoE (as Qwen3-30B-A3B): 4 kv heads of 128, 8 experts
+mini-deepseek-v2-fp32              DeepSeek-V2 (as DeepSeek-V2-Lite): MLA, latent 512 + rope 64
 =================================  ===================================================
+
+The ``mini-*`` folders are the seeds' other architectures in miniature: vLLM's model class
+and the real KV geometry of each, two layers, random weights from a fixed seed, SmolLM2's
+tokenizer.
 """
 
 from __future__ import annotations
@@ -47,9 +54,29 @@ SMOLLM2 = "smollm2-135m-instruct"
 TINY_LLAMA = "tiny-llama"
 _SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 
-# A family name without a suffix means this dtype.
-DEFAULT_DTYPES = {SMOLLM2: torch.bfloat16, TINY_LLAMA: torch.float32}
-NAMES = tuple(f"{family}-{suffix}" for family in DEFAULT_DTYPES for suffix in _SUFFIXES.values())
+# The seeds' other architectures (transformers config class, options): two layers each, the
+# real KV geometry (kv heads x head size; MLA's latent and rope sizes), small everything else.
+MINIATURES = {
+    "mini-qwen2": ("Qwen2Config", {"num_hidden_layers": 2, "hidden_size": 512, "intermediate_size": 1024,
+                                   "num_attention_heads": 4, "num_key_value_heads": 2}),
+    "mini-qwen3-moe": ("Qwen3MoeConfig", {"num_hidden_layers": 2, "hidden_size": 512, "intermediate_size": 1024,
+                                          "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 128,
+                                          "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+                                          "decoder_sparse_step": 1, "mlp_only_layers": []}),
+    # vLLM's CPU MoE router needs n_group and topk_group set; no q_lora_rank, as in V2-Lite.
+    "mini-deepseek-v2": ("DeepseekV2Config", {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512,
+                                              "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 512,
+                                              "q_lora_rank": None, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+                                              "v_head_dim": 128, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                                              "n_shared_experts": 1, "moe_intermediate_size": 128,
+                                              "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+                                              "topk_method": "greedy"}),
+}
+
+# A family name without a suffix means this dtype; the miniatures are built in fp32 only.
+DEFAULT_DTYPES = {SMOLLM2: torch.bfloat16, TINY_LLAMA: torch.float32} | {m: torch.float32 for m in MINIATURES}
+NAMES = tuple(f"{family}-{suffix}" for family in (SMOLLM2, TINY_LLAMA) for suffix in _SUFFIXES.values()) + tuple(
+    f"{m}-fp32" for m in MINIATURES)
 
 # Small enough to start in seconds, with a head size vLLM's CPU attention takes (32..512).
 TINY_LLAMA_CONFIG = {
@@ -204,10 +231,41 @@ def tiny_llama(models_dir: str | Path | None = None, *, dtype: str | torch.dtype
     return _build(folder, stamp, lambda out: _save_tiny_llama(source, dtype, out))
 
 
+def _save_miniature(name: str, source: GgufSource, out: Path) -> None:
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    print(f"kvlab: building {name}, random weights, in {out}", file=sys.stderr)
+    tokenizer = _load_tokenizer(source)
+    config_class, options = MINIATURES[name]
+    config = getattr(transformers, config_class)(
+        vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True, max_position_embeddings=8192, **options)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(TINY_LLAMA_SEED)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def miniature(name: str, models_dir: str | Path | None = None) -> Path:
+    """One of MINIATURES in fp32, built once (seeded: the same weights every time)."""
+    if name not in MINIATURES:
+        raise ValueError(f"unknown miniature {name!r}; choose one of {sorted(MINIATURES)}")
+    source = smollm2_gguf()
+    folder = resolve_models_dir(models_dir) / f"{name}-fp32"
+    config_class, options = MINIATURES[name]
+    stamp = {"tokenizer": source.stamp(), "seed": TINY_LLAMA_SEED, "config_class": config_class, "options": options}
+    return _build(folder, stamp, lambda out: _save_miniature(name, source, out))
+
+
+PREPARE_CHOICES = ("smollm2", "tiny", "minis")
+
+
 def prepare_all(models_dir: str | Path | None = None, only: str | None = None) -> list[Path]:
-    """Every folder in both dtypes (``only``: "smollm2" or "tiny"); what ``make env`` runs."""
-    if only not in (None, "smollm2", "tiny"):
-        raise ValueError(f"only takes 'smollm2' or 'tiny', not {only!r}")
+    """Every folder (``only``: one of PREPARE_CHOICES); what ``make env`` runs."""
+    if only not in (None, *PREPARE_CHOICES):
+        raise ValueError(f"only takes one of {', '.join(map(repr, PREPARE_CHOICES))}, not {only!r}")
     root = resolve_models_dir(models_dir)  # checked before the GGUF file is hashed
     paths = []
     for dtype in _SUFFIXES:
@@ -215,6 +273,8 @@ def prepare_all(models_dir: str | Path | None = None, only: str | None = None) -
             paths.append(prepare_smollm2(dtype, root))
         if only in (None, "tiny"):
             paths.append(tiny_llama(root, dtype=dtype))
+    if only in (None, "minis"):
+        paths += [miniature(name, root) for name in MINIATURES]
     return sorted(paths)
 
 

@@ -24,3 +24,11 @@ def test_engine_and_table_bad_input(tmp_path: Path) -> None:
         with_overheads([{"scenario": "KVLab whole-step, memory", "phase": "warm", "median_s": 0.1}])
     with pytest.raises(ValueError, match="at least one block"):
         registration_costs(preset("smollm2-135m"), 8, ["vllm>=0.29 LBHNC"])
+
+
+def test_an_mla_model_with_another_block_size_is_refused_before_any_engine(tmp_path: Path) -> None:
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["DeepseekV2ForCausalLM"], "kv_lora_rank": 512}))
+    with pytest.raises(ValueError, match="needs block_size=16, not 32"):
+        run_engine(EngineSpec(str(tmp_path), block_size=32), [[1, 2, 3]])

@@ -93,3 +93,28 @@ def test_tensor_parallel_ranks_store_their_shards_and_a_failed_load_is_recompute
     assert len(ranks) == 2 and all(r["loaded_blocks"] >= sum(loadable(prompts)) // 32 for r in ranks)
     assert all(r["load_errors"] > 0 and r["store"]["corrupt"] > 0 for r in ranks), "zeroed chunks failed the check"
     assert bitwise(result, result, "cold", "warm-zeroed"), "recomputed, not loaded"
+
+
+@pytest.mark.parametrize("name, layerwise", [("mini-qwen2", False), ("mini-qwen3-moe", True),
+                                             ("mini-deepseek-v2", False), ("mini-deepseek-v2", True)])
+def test_every_seed_architecture_through_the_connector(name, layerwise, tmp_path: Path) -> None:
+    """The seeds' other architectures (Llama: above), as seeded random miniatures with each
+    one's real KV geometry: Qwen2, Qwen3-MoE, and DeepSeek-V2 with MLA on vLLM's CPU_MLA
+    backend (block size 16; no prefix caching for MLA on CPU, so the cold run is the
+    control). Every warm run, from memory and (MLA) from disk in the same process, hits every
+    loadable block and is bitwise the cold run."""
+    mla = name == "mini-deepseek-v2"
+    block_size = 16 if mla else 32
+    extra = {"layerwise": layerwise, "chunk_size": 64, "store": "disk", "disk_path": str(tmp_path / "kv")}
+    spec = EngineSpec(str(model_path(prepared(name))), "kvlab", extra, dtype="float32", block_size=block_size,
+                      max_tokens=8, phases=("cold", "warm", "warm-disk") if mla else ("cold", "warm"),
+                      attention_backend="CPU_MLA" if mla else None)
+    prompts = [list(range(5, 205)), list(range(300, 470))]
+    result = run_engine(spec, prompts)
+    for phase in ("warm", "warm-disk") if mla else ("warm",):
+        assert hits(result, phase) == loadable(prompts, block_size), phase
+        assert bitwise(result, result, "cold", phase), phase
+    stats = result["connector"]["default"]
+    assert stats["load_errors"] == 0 and stats["save_errors"] == 0
+    if mla:
+        assert stats["store"]["disk_reads"] > 0

@@ -138,7 +138,8 @@ def test_cli_lists_what_is_prepared(capsys, tiny_elsewhere):
     assert main(["models", "list", "--models-dir", str(tiny_elsewhere)]) == 0
     states = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()}
     assert states == {"smollm2-135m-instruct-bf16": "missing", "smollm2-135m-instruct-fp32": "missing",
-                      "tiny-llama-bf16": "ready", "tiny-llama-fp32": "ready"}
+                      "tiny-llama-bf16": "ready", "tiny-llama-fp32": "ready",
+                      **{f"{name}-fp32": "missing" for name in models.MINIATURES}}
 
 
 def test_model_path_names_the_command(tmp_path, monkeypatch):
