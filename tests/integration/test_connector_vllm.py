@@ -100,9 +100,9 @@ def test_tensor_parallel_ranks_store_their_shards_and_a_failed_load_is_recompute
 def test_every_seed_architecture_through_the_connector(name, layerwise, tmp_path: Path) -> None:
     """The seeds' other architectures (Llama: above), as seeded random miniatures with each
     one's real KV geometry: Qwen2, Qwen3-MoE, and DeepSeek-V2 with MLA on vLLM's CPU_MLA
-    backend (block size 16; no prefix caching for MLA on CPU, so the cold run is the
-    control). Every warm run, from memory and (MLA) from disk in the same process, hits every
-    loadable block and is bitwise the cold run."""
+    backend (block size 16; no prefix caching for MLA on CPU, so the controls are the cold run
+    and vLLM's ExampleConnector). Every warm run, from memory and (MLA) from disk in the same
+    process, hits every loadable block and is bitwise the cold run and the control."""
     mla = name == "mini-deepseek-v2"
     block_size = 16 if mla else 32
     extra = {"layerwise": layerwise, "chunk_size": 64, "store": "disk", "disk_path": str(tmp_path / "kv")}
@@ -118,3 +118,11 @@ def test_every_seed_architecture_through_the_connector(name, layerwise, tmp_path
     assert stats["load_errors"] == 0 and stats["save_errors"] == 0
     if mla:
         assert stats["store"]["disk_reads"] > 0
+    if mla and not layerwise:
+        # the control for MLA on CPU (no prefix caching there): vLLM's ExampleConnector, whose
+        # warm prefill is split the same way; KVLab's fp32 logprobs equal its bitwise
+        control = run_engine(EngineSpec(spec.model, "example", {}, dtype="float32", block_size=block_size,
+                                        max_tokens=8, attention_backend="CPU_MLA", workdir=str(tmp_path / "example"),
+                                        max_num_batched_tokens=4096), prompts)
+        assert hits(control, "warm") == loadable(prompts, block_size)
+        assert bitwise(control, result, "warm", "warm")
