@@ -12,11 +12,11 @@ from kvlab.connector.config import CROSS_LAYER_LAYOUT, TIERS, ConnectorConfig
 from kvlab.connector.connector import KVLabConnector
 from kvlab.connector.keys import model_seed, request_keys
 from kvlab.connector.messages import KVLabMetadata, KVLabWorkerMeta, LoadSpec, SaveSpec, Source
-from kvlab.connector.stores import ConnectorStats, all_stats, drop_memory_tiers, reset_stores, shared, zero_memory_tiers
+from kvlab.connector.stores import ConnectorStats, all_stats, damage_memory_tiers, reset_stores, shared
 from kvlab.connector.worker import runs_per_block
 
 __all__ = [
     "CROSS_LAYER_LAYOUT", "TIERS", "ConnectorConfig", "ConnectorStats", "KVLabConnector", "KVLabMetadata",
-    "KVLabWorkerMeta", "LoadSpec", "SaveSpec", "Source", "all_stats", "drop_memory_tiers", "model_seed",
-    "request_keys", "reset_stores", "runs_per_block", "shared", "zero_memory_tiers",
+    "KVLabWorkerMeta", "LoadSpec", "SaveSpec", "Source", "all_stats", "damage_memory_tiers", "model_seed",
+    "request_keys", "reset_stores", "runs_per_block", "shared",
 ]

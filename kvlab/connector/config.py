@@ -50,6 +50,8 @@ class ConnectorConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ValueError(f"KVLabConnector: {name} must be a positive integer, got {value!r}")
         if "tiers" in extra:
+            if "store" in extra:
+                raise ValueError("KVLabConnector: give either store (a shorthand) or tiers, not both")
             tiers = extra["tiers"]
             if not isinstance(tiers, (list, tuple)) or not tiers or not all(isinstance(t, str) for t in tiers):
                 raise ValueError(f"KVLabConnector: tiers must be a list of tier names from {list(TIERS)}, got {tiers!r}")

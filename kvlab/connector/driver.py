@@ -26,9 +26,8 @@ from kvlab.cache.geometry import ModelGeometry
 from kvlab.cache.layouts import GENERATIONS
 from kvlab.connector.connector import KVLabConnector
 from kvlab.connector.messages import KVLabMetadata
-from kvlab.connector.stores import UNBOUNDED
+from kvlab.connector.stores import new_worker_store
 from kvlab.connector.vllm_views import vllm_layer_views
-from kvlab.store.store import KVStore
 
 
 def stand_in_config(geometry: ModelGeometry, extra: dict | None = None, model: str | None = None,
@@ -45,7 +44,7 @@ def stand_in_config(geometry: ModelGeometry, extra: dict | None = None, model: s
                                 kv_role="kv_both", kv_connector_extra_config=dict(extra or {}),
                                 kv_load_failure_policy="recompute")
     return SimpleNamespace(kv_transfer_config=transfer, model_config=model,
-                           parallel_config=SimpleNamespace(world_size=workers, tensor_parallel_size=workers),
+                           parallel_config=SimpleNamespace(tensor_parallel_size=workers),
                            cache_config=SimpleNamespace(block_size=geometry.block_size, cache_dtype="auto"))
 
 
@@ -70,7 +69,7 @@ def connector_group(geometry: ModelGeometry, num_blocks: int, extra: dict | None
         worker = KVLabConnector(config, KVConnectorRole.WORKER, kv_config)
         worker.worker.rank, worker.worker.workers = rank, workers
         if workers > 1:  # one process per rank in vLLM: a memory tier each
-            worker.worker.store = KVStore(UNBOUNDED, promote=False, **worker.config.shared_store_options())
+            worker.worker.store = new_worker_store(worker.config)
         group.append(worker)
     scheduler._driver_outputs = KVOutputAggregator(workers)
     return scheduler, group

@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("kvlab.connector")
-# Steps a lookup may wait for the workers to say what cache they hold (one is enough: they
-# say it in their first step's output); then the shared tiers are left out.
+# Engine steps lookups may wait for the workers to say what cache they hold (one is enough:
+# they say it in their first step's output); then the shared tiers are left out.
 SIGNATURE_WAIT_STEPS = 100
 
 
@@ -42,6 +42,7 @@ class _RequestState:
     block_ids: list[int] = field(default_factory=list)
     next_chunk: int = 0
     saves: int = 0  # chunks sent to the workers to save
+    shared_held: set[str] = field(default_factory=set)  # keys every shared tier held, checked, at lookup
 
 
 class SchedulerSide:
@@ -52,14 +53,13 @@ class SchedulerSide:
         self.block_size = vllm_config.cache_config.block_size
         self.chunk_blocks = config.chunk_blocks(self.block_size)
         self.seed = model_seed(vllm_config)
-        parallel = getattr(vllm_config, "parallel_config", None)
-        self.workers = int(getattr(parallel, "world_size", 1) or 1)
+        self.workers = _tensor_parallel_ranks(vllm_config)
         self.block_bytes = _block_bytes(vllm_config, kv_cache_config)
         self.memory = MemoryIndex(config.store_bytes, self.workers) if "memory" in config.tier_names else None
         self.shared = lookup_store(config)
         if self.shared is not None:
             for tier in self.shared.shared:
-                getattr(tier, "check", lambda: None)()  # a tier that cannot be reached fails start-up
+                tier.check()  # a tier that cannot be reached fails start-up
         self.signature: str | None = None  # the workers' cache, once they report it
         self._requests: dict[str, _RequestState] = {}
         self._checked: dict[tuple[str, str], bool] = {}  # (tier, chunk key) -> intact and of this cache
@@ -72,13 +72,15 @@ class SchedulerSide:
     # ---- lookups -------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.shared is not None and self.signature is None and self._waits < SIGNATURE_WAIT_STEPS:
-            self._waits += 1  # the workers report their cache with their first step's output
-            return None, False
+            return None, False  # the workers report their cache with their first step's output
         prompt = list(request.prompt_token_ids or [])
         state = _RequestState(block_hashes(prompt, self.block_size, self.seed, request_keys(request, self.block_size)))
+        earlier = self._requests.get(request.request_id)  # looked up again after a preemption
+        state.saves = earlier.saves if earlier else 0  # its blocks stay held until those saves are done
         self._requests[request.request_id] = state
         loadable = state.keys[: (len(prompt) - 1) // self.block_size]  # vLLM computes the last prompt token
         matched = self._match(loadable)
+        state.shared_held = {key for key in loadable if self._held_everywhere(key)}
         if matched is None:  # what would extend the hit is still being stored: ask again next step
             return None, False
         state.matched = matched
@@ -135,6 +137,16 @@ class SchedulerSide:
         shards = [shard_key(key, rank, self.workers) for key in keys for rank in range(self.workers)]
         for tier in self.shared.shared:
             self._located.update(((tier.name, shard), found) for shard, found in zip(shards, tier.locate_many(shards)))
+
+    def _held_everywhere(self, key: str) -> bool:
+        """Every shared tier holds this block for every worker, checked (a chunk file only
+        indexed may be damaged: saving over it repairs it)."""
+        for tier in self.shared.shared if self.shared is not None else ():
+            for rank in range(self.workers):
+                found = self._located.get((tier.name, shard_key(key, rank, self.workers)))
+                if found is None or not self._intact(tier, found[0]):
+                    return False
+        return self.shared is not None
 
     def _intact(self, tier: Any, chunk_key: str) -> bool:
         """Read and check a shared chunk once (checksum, and that it fits the workers'
@@ -208,7 +220,7 @@ class SchedulerSide:
                 evicted = self.memory.reserve(keys, (last - first) * self.block_bytes)
                 keep = evicted is not None
                 meta.drops += evicted or []
-            shared_missing = self.shared is not None and self._shared_source(keys[-1]) is None
+            shared_missing = self.shared is not None and keys[-1] not in state.shared_held
             if keep or shared_missing:
                 meta.saves.append(SaveSpec(req_id, keys, state.block_ids[first:last], memory=keep,
                                            shared=shared_missing))
@@ -217,6 +229,8 @@ class SchedulerSide:
 
     def update_connector_output(self, worker_meta: KVLabWorkerMeta | None) -> None:
         self._unpin()
+        if self.signature is None:
+            self._waits += 1
         if worker_meta is None:
             return
         if worker_meta.signature is not None and self.signature is None:
@@ -251,6 +265,18 @@ class SchedulerSide:
         self._pinned = []
         self._reset = True
         return True
+
+
+def _tensor_parallel_ranks(vllm_config: VllmConfig) -> int:
+    """The workers that each hold a shard of every block: the tensor-parallel ranks. Other
+    parallel layouts would split the layers or the context between workers, which the
+    keys (one shard per rank, every layer) do not describe."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    others = {name: int(getattr(parallel, name, 1) or 1) for name in
+              ("pipeline_parallel_size", "prefill_context_parallel_size", "decode_context_parallel_size")}
+    if any(size > 1 for size in others.values()):
+        raise ValueError(f"KVLabConnector supports tensor parallelism only, got {others}")
+    return int(getattr(parallel, "tensor_parallel_size", 1) or 1)
 
 
 def _block_bytes(vllm_config: VllmConfig, kv_cache_config: Any) -> int:

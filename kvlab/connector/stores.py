@@ -5,8 +5,10 @@ process that holds them (``LLM.collective_rpc`` reaches a worker in another proc
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 from kvlab.connector.config import ConnectorConfig
+from kvlab.store.damage import damage_chunks
 from kvlab.store.store import KVStore
 from kvlab.store.tiers import StoreStats
 
@@ -48,11 +50,16 @@ def shared(config: ConnectorConfig) -> _Shared:
 
 
 def worker_store(config: ConnectorConfig) -> KVStore:
-    """A worker's tiers: its memory (kept as the scheduler says) and the shared tiers."""
+    """This process's worker tiers for ``config``'s store name, opened on first use."""
     entry = shared(config)
     if entry.store is None:
-        entry.store = KVStore(UNBOUNDED, promote=False, stats=entry.store_stats, **config.shared_store_options())
+        entry.store = new_worker_store(config, entry.store_stats)
     return entry.store
+
+
+def new_worker_store(config: ConnectorConfig, stats: StoreStats | None = None) -> KVStore:
+    """A worker's tiers: its memory (kept as the scheduler says) and the shared tiers."""
+    return KVStore(UNBOUNDED, promote=False, stats=stats or StoreStats(), **config.shared_store_options())
 
 
 def lookup_store(config: ConnectorConfig) -> KVStore | None:
@@ -64,24 +71,19 @@ def lookup_store(config: ConnectorConfig) -> KVStore | None:
 
 def reset_stores() -> None:
     """Forget every in-process store (their shared tiers stay)."""
-    drop_memory_tiers()
-    _SHARED.clear()
-
-
-def drop_memory_tiers() -> None:
-    """Empty every store's in-memory tier (its scheduler must forget it too:
-    ``reset_prefix_cache(reset_connector=True)`` does both)."""
     for entry in _SHARED.values():
         if entry.store is not None:
             entry.store.clear()
+    _SHARED.clear()
 
 
-def zero_memory_tiers() -> None:
-    """Zero every store's in-memory chunks (KVStore.zero_memory): the engine checks'
-    sensitivity control, called inside the worker process."""
-    for entry in _SHARED.values():
-        if entry.store is not None:
-            entry.store.zero_memory()
+def damage_memory_tiers(damage: str) -> Callable[[], None]:
+    """Damage every store's in-memory chunks in place (kvlab.store.damage: the engine
+    checks' sensitivity controls, called inside the worker process); returns the undo.
+    The memory tier is trusted by default (``verify="disk"``), so the next hits load the
+    damage, and a check that still passes after it cannot be looking at the reloaded KV."""
+    stores = [entry.store for entry in _SHARED.values() if entry.store is not None]
+    return damage_chunks([chunk.buffer for store in stores for chunk in store.memory_chunks()], damage)
 
 
 def all_stats() -> dict[str, dict]:

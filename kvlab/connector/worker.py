@@ -148,7 +148,11 @@ class WorkerSide:
                     self._failed.add(chunk_key)
                 return None
             return chunk
-        return self.store.tier(tier).get(chunk_key)
+        shared = self.store.tier(tier)
+        chunk = shared.get(chunk_key)
+        if chunk is not None:
+            shared.touch(chunk_key)  # eviction follows use, not write time
+        return chunk
 
     def _fail_loads(self, loads: list[LoadSpec], error: Exception) -> None:
         """Hand every block of ``loads`` back to vLLM to recompute."""

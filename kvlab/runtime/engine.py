@@ -18,6 +18,7 @@ from typing import Any
 from kvlab.runtime import worker_calls
 from kvlab.runtime.configs import kv_transfer_config
 from kvlab.runtime.processes import run_child
+from kvlab.store.damage import DAMAGES
 
 
 @dataclass
@@ -31,8 +32,9 @@ class EngineSpec:
     other phases then run in order for one prompt after another. A phase named more than
     once is repeated and its rows pooled; alternating "floor" and "warm" pairs each
     connector sample with a floor sample of the same prompt in the same engine.
-    "warm-zeroed" runs after everything else: KVLabConnector's in-memory chunks are
-    zeroed first, so its outputs show whether a check is sensitive to the reloaded KV.
+    "warm-<damage>" ("warm-zeroed", "warm-noise-1pct", ... from kvlab.store.damage.DAMAGES)
+    runs after everything else: KVLabConnector's in-memory chunks are damaged that way first
+    (and put back after), so its outputs show how a check moves when the reloaded KV is bad.
     "warm-redis-down" runs last: the Redis server of ``extra["redis_url"]`` is shut down
     first, as a crash would, so the connector must miss (or fail its loads) and recompute.
 
@@ -154,13 +156,14 @@ def _forced_tokens_processor() -> type:
     return ForcedTokens
 
 
-# Phases run before (cold) and after (warm-zeroed) the prompt-by-prompt ones.
-FIRST_PHASES, LAST_PHASES = ("cold",), ("warm-zeroed", "warm-redis-down")
+# Phases run before (cold) and after (damaged KV, Redis down) the prompt-by-prompt ones.
+DAMAGE_PHASES = {f"warm-{name}": name for name in DAMAGES}
+FIRST_PHASES, LAST_PHASES = ("cold",), (*DAMAGE_PHASES, "warm-redis-down")
 
 
 def _schedule(phases: tuple[str, ...], prompts: int, batch: bool) -> list[tuple[str, list[int]]]:
     """(phase, prompt indices) per generate call, in order. "cold" sees every prompt
-    first and "warm-zeroed" comes last; the others run prompt by prompt, so a "floor"
+    first and the damaged ones come last; the others run prompt by prompt, so a "floor"
     right after a warm run of the same prompt really is vLLM's own prefix hit (emptying
     vLLM's prefix cache for one prompt's warm run empties it for all)."""
     every = list(range(prompts))
@@ -212,8 +215,8 @@ def _child(job_path: str, out_path: str) -> None:
     for phase, indices in _schedule(spec.phases, len(job["prompts"]), spec.batch):
         if phase == "warm-disk":  # the connector forgets its memory tiers; what it wrote through stays
             llm.reset_prefix_cache(reset_connector=True)
-        if phase == "warm-zeroed":
-            llm.collective_rpc(worker_calls.zero_memory)
+        if phase in DAMAGE_PHASES:
+            llm.collective_rpc(worker_calls.damage_memory, args=(DAMAGE_PHASES[phase],))
         if phase == "warm-redis-down":
             from kvlab.runtime.redis import shut_down
 
@@ -226,6 +229,8 @@ def _child(job_path: str, out_path: str) -> None:
         outputs = llm.generate(requests, [params(forced[i]) for i in indices], use_tqdm=False,
                                lora_request=[loras[i] for i in indices] if spec.lora_adapters else None)
         seconds = time.perf_counter() - start
+        if phase in DAMAGE_PHASES:
+            llm.collective_rpc(worker_calls.undo_damage)
         spent = llm.collective_rpc(worker_calls.read_clock)[0]
         for index, output in zip(indices, outputs):
             completion = output.outputs[0]

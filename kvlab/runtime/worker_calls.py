@@ -65,8 +65,18 @@ def connector_stats(worker: Any) -> dict:
     return all_stats()
 
 
-def zero_memory(worker: Any) -> None:
-    """Zero the connector's memory chunks (the accuracy checks' sensitivity control)."""
-    from kvlab.connector.stores import zero_memory_tiers
+_UNDO: list = []
 
-    zero_memory_tiers()
+
+def damage_memory(worker: Any, damage: str) -> None:
+    """Damage the connector's memory chunks (kvlab.store.damage.DAMAGES names the ways):
+    the accuracy checks' sensitivity controls."""
+    from kvlab.connector.stores import damage_memory_tiers
+
+    _UNDO.append(damage_memory_tiers(damage))
+
+
+def undo_damage(worker: Any) -> None:
+    """Put the damaged chunks' bytes back, for the next control."""
+    while _UNDO:
+        _UNDO.pop()()

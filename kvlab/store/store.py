@@ -12,8 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-import torch
-
 from kvlab.store.chunk import Chunk
 from kvlab.store.keys import valid_key
 from kvlab.store.tiers import DiskTier, MemoryTier, RedisTier, SharedMemoryTier, StoreStats, Tier
@@ -138,12 +136,6 @@ class KVStore:
             self._mark_used([c for c in dict.fromkeys(c.key for c, _ in out)][::-1])
         return out
 
-    def holds(self, chunk_key: str) -> bool:
-        """Is this chunk here and trusted (in memory, or a file this process checked)?
-        A file only indexed, never read, may be damaged: saving over it repairs it."""
-        with self._lock:
-            return chunk_key in self.memory or any(tier.verified(chunk_key) for tier in self.shared)
-
     # ---- updates -------------------------------------------------------------------
     def put(self, chunk: Chunk) -> bool:
         """Keep a sealed chunk in memory (evicting least recently used chunks) and write
@@ -168,16 +160,6 @@ class KVStore:
         with self._lock:
             for chunk in self.memory.chunks():
                 self.memory.discard(chunk.key)
-
-    def zero_memory(self) -> None:
-        """Zero the KV of every chunk in memory, checksums left as they were: a sensitivity
-        control for accuracy checks. The memory tier is trusted by default
-        (``verify="disk"``), so the next hits load zeros, and a check that still passes
-        after this cannot be looking at the reloaded KV."""
-        with self._lock, torch.inference_mode():  # an engine makes its chunks in inference mode
-            for chunk in self.memory.chunks():
-                for tensor in chunk.buffer.storage:
-                    tensor.zero_()
 
     def memory_chunks(self) -> list[Chunk]:
         """The chunks held in memory (least recently used first)."""

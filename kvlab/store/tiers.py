@@ -73,8 +73,8 @@ class Tier(Protocol):
     def get(self, chunk_key: str) -> Chunk | None: ...
     def put(self, chunk: Chunk) -> bool: ...
     def discard(self, chunk_key: str) -> None: ...
-    def verified(self, chunk_key: str) -> bool: ...  # read and checked (or written) by this process
     def touch(self, chunk_key: str) -> None: ...  # used now: eviction follows use
+    def check(self) -> None: ...  # raises when the tier cannot be reached (start-up)
 
 
 def unlist(chunks: dict[str, Any], blocks: dict[str, tuple[str, int]], chunk_key: str) -> Any | None:
@@ -165,7 +165,6 @@ class DiskTier:
         self._index: dict[str, tuple[str, int]] = {}  # block key -> (chunk key, position)
         self._chunk_blocks: dict[str, list[str]] = {}  # chunk key -> its block keys
         self._seen: dict[str, tuple[int, int]] = {}  # file name -> (size, mtime) already indexed or rejected
-        self._verified: set[str] = set()  # chunk files this process read and checked, or wrote
         self._scanned_mtime = -1
         self._paused_until = 0.0
         self._retry_s = RETRY_FIRST_S
@@ -208,12 +207,10 @@ class DiskTier:
         if not chunk.intact():
             self._reject(path, "corrupt", ValueError("checksum does not match"))
             return None
-        self._verified.add(chunk_key)
         return chunk
 
-    def verified(self, chunk_key: str) -> bool:
-        """Did this process read (and check) or write this chunk's file, still indexed?"""
-        return chunk_key in self._verified and self._index.get(chunk_key, (None,))[0] == chunk_key
+    def check(self) -> None:
+        """Nothing: a folder that cannot be written pauses the tier, it never fails start-up."""
 
     def touch(self, chunk_key: str) -> None:
         """Mark a chunk used now, so that eviction follows use, not write time."""
@@ -272,7 +269,6 @@ class DiskTier:
             self._unlink(tmp, count=False)
             raise
         self._add(chunk.block_keys)
-        self._verified.add(chunk.key)
         try:
             stat = path.stat()
             self._seen[path.name] = (stat.st_size, stat.st_ino)
@@ -385,7 +381,6 @@ class DiskTier:
             self._index[key] = (chunk_key, position)
 
     def _forget(self, chunk_key: str) -> None:
-        self._verified.discard(chunk_key)
         for key in self._chunk_blocks.pop(chunk_key, ()):
             if self._index.get(key, (None,))[0] == chunk_key:
                 del self._index[key]
@@ -511,9 +506,6 @@ class RedisTier:
 
     def discard(self, chunk_key: str) -> None:
         self._call("write", lambda: self.client.delete(self.PREFIX + "c:" + chunk_key))
-
-    def verified(self, chunk_key: str) -> bool:
-        return False  # another host may replace a value at any time: always read and check
 
     def touch(self, chunk_key: str) -> None:
         """Nothing: the server's LRU sees every read."""

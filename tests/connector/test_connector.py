@@ -213,6 +213,7 @@ def test_full_store_evicts_and_never_fails() -> None:
     ({"tiers": "memory"}, "tiers must be a list of tier names"),
     ({"tiers": []}, "tiers must be a list of tier names"),
     ({"tiers": ["redis"]}, "redis_url"),
+    ({"store": "disk", "tiers": ["memory"]}, "either store"),
     ({"redis_url": "redis://127.0.0.1:1/0"}, "redis_url is only used with the redis tier"),
     ({"shm_path": "/dev/shm/x"}, "shm_path is only used with the shm tier"),
     ({"async_saves": 1}, "async_saves must be true or false"),
@@ -321,7 +322,7 @@ def test_every_damaged_chunk_of_a_prompt_is_saved_again(tmp_path) -> None:
         data = bytearray(path.read_bytes())
         data[-5] ^= 0x10
         path.write_bytes(bytes(data))
-    scheduler, worker = fresh({**extra, "tiers": ["disk"]})
+    scheduler, worker = fresh({"tiers": ["disk"], "disk_path": extra["disk_path"], "chunk_size": BS})
     assert run_step(scheduler, worker, "b", prompt, [5, 6, 7, 8, 9], False) == 0
     assert worker.stats.saved_blocks == 4, "all four chunks written again, not only the first"
     assert lookup(fresh(extra)[0], prompt) == 4 * BS

@@ -142,6 +142,12 @@ def test_a_preempted_requests_saves_finish_before_its_blocks_are_reused(monkeypa
     preempting.preempted_req_ids = {"a"}
     step(scheduler, worker, preempting)
     assert done == ["a"], "handle_preemptions waited for the save"
+    # vLLM looks the preempted request up again; its saves are done, its chunks held in memory
+    # (nothing new to save), and the worker still reports it when it finishes: the scheduler
+    # must hold its blocks for that report, or vLLM frees a request it no longer knows
+    scheduler.get_num_new_matched_tokens(request, 0)
+    held, _ = scheduler.request_finished(request, [0, 1, 2, 3, 4])
+    assert held
 
 
 def test_redis_tier_serves_another_engine_and_absorbs_its_faults(redis_server):
@@ -190,3 +196,16 @@ def test_no_redis_server_command_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(RedisError, match="no redis-server command"):
         RedisServer().start()
+
+
+def test_only_tensor_parallel_ranks_shard_the_keys():
+    """Pipeline or context parallel workers hold other layers or other tokens, which the
+    keys (one shard per tensor-parallel rank, every layer) do not describe: refused."""
+    from types import SimpleNamespace
+
+    from kvlab.connector.scheduler import _tensor_parallel_ranks
+
+    assert _tensor_parallel_ranks(SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2,
+                                                                                  world_size=4))) == 2
+    with pytest.raises(ValueError, match="tensor parallelism only"):
+        _tensor_parallel_ranks(SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=2)))
