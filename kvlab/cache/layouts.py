@@ -139,6 +139,20 @@ _LAYOUTS: list[Layout] = [
     _vllm_v29("BLHNC", "cross-layer: a block holds every layer's HND page in one run"),
     _vllm_v29("BLNHC", "cross-layer: a block holds every layer's NHD page in one run"),
     _vllm_v29("BHLNC", "cross-layer per head: a block is one run, heads outermost inside it"),
+    # MLA in vLLM >= 0.29: the same KVCacheLayout orders with one "head" (the latent); byte
+    # for byte LBNHC / BLNHC, named for what they hold.
+    Layout(
+        "mla_v0.29", "vLLM >= 0.29", "LBNHSD", "BHNSD", ("B", "H", "N", "SD"),
+        "per-layer [B, 1, N, C] views of one LBNHC buffer (C = kv_lora_rank + rope)",
+        "MLA: one latent per token and layer; each layer contiguous",
+        requires=Holds.MLA, backends="CPU_MLA, FLASHMLA, TRITON_MLA",
+    ),
+    Layout(
+        "mla_v0.29_cross", "vLLM >= 0.29", "BLNHSD", "BHNSD", ("B", "H", "N", "SD"),
+        "per-layer [B, 1, N, C] views of one BLNHC buffer (C = kv_lora_rank + rope)",
+        "MLA cross-layer: a block holds every layer's latents in one run",
+        requires=Holds.MLA, backends="CPU_MLA, FLASHMLA, TRITON_MLA",
+    ),
     Layout(
         "CPU_LBHNC", "vLLM >= 0.29", "LBHSND", "BHSND", ("B", "H", "N", "SD"),
         "per-layer [B, H, N, 2D] views of one LBHNC buffer",

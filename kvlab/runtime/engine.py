@@ -18,6 +18,7 @@ from typing import Any
 from kvlab.runtime import worker_calls
 from kvlab.runtime.configs import kv_transfer_config
 from kvlab.runtime.processes import run_child
+from kvlab.runtime.vllm_cpu import check_architecture
 from kvlab.store.damage import DAMAGES
 
 
@@ -63,6 +64,7 @@ class EngineSpec:
     multiprocessing: bool = False  # vLLM's default process layout (engine core and workers apart)
     tensor_parallel_size: int = 1  # > 1 implies multiprocessing: one worker process per rank
     attention_backend: str | None = None  # e.g. "CPU_MLA": on AMX CPUs vLLM picks AMX_MLA, bf16 only
+    batch_invariant: bool = False  # VLLM_BATCH_INVARIANT=1: results independent of the batch (where supported)
 
     def environment(self) -> dict[str, str]:
         """What the engine process needs on top of the pinned threads: vLLM's default
@@ -75,6 +77,8 @@ class EngineSpec:
             env.update(VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
         if self.tensor_parallel_size > 1:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(rank) for rank in range(self.tensor_parallel_size))
+        if self.batch_invariant:
+            env["VLLM_BATCH_INVARIANT"] = "1"
         return env
 
 
@@ -125,6 +129,7 @@ def run_engine(spec: EngineSpec, prompts: list[list[int]], timeout: float = 900,
     if max(map(len, prompts)) + max(len(f or ()) for f in (forced or [None])) + spec.max_tokens > spec.max_model_len:
         raise ValueError(f"a prompt of {max(map(len, prompts))} tokens plus its output does not fit in "
                          f"max_model_len={spec.max_model_len}")
+    check_architecture(spec.model)  # last: the only check that imports vLLM
     return run_child("kvlab.runtime.engine", {"spec": asdict(spec), "prompts": prompts, "forced": forced,
                                               "salts": salts, "loras": loras},
                      f"engine {spec.connector} on {spec.model}", timeout, spec.environment())

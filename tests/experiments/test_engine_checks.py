@@ -17,7 +17,7 @@ from kvlab.experiments.engine_checks import (
     against_control,
     reuse_paths,
 )
-from kvlab.experiments.tasks import GSMTask, book_text, text_windows
+from kvlab.experiments.tasks import DISCRIMINATING, GSMTask, book_text, text_windows
 
 
 def test_text_windows_are_consecutive_and_checked() -> None:
@@ -50,13 +50,24 @@ def test_gsm_task_prompts_share_the_shots_and_score_like_lm_eval() -> None:
         GSMTask(size=0)
 
 
+def test_a_gym_task_asks_short_answers_after_shared_shots() -> None:
+    task = DISCRIMINATING.resized(3)
+    prompts = task.prompts()
+    shared = prompts[0][:prompts[0].rindex("Question:")]
+    assert shared.count("Answer: ") == task.shots and all(p.startswith(shared) for p in prompts)
+    answers = [str(task.dataset[i]["answer"]) for i in range(3)]
+    scores = task.score([f" {answers[0]}\nQuestion: more", f" {answers[1]} and more", ""])
+    assert scores == {"exact-match": {"accuracy": 1 / 3, "stderr": pytest.approx(math.sqrt(2 / 9 / 2)), "n": 3}}
+    assert "\n" in task.stop and task.label.startswith("chain_sum(")
+
+
 def _row(prompt: int, tokens: list[int], logprobs: list[float], cached: int = 0) -> dict:
     return {"prompt": prompt, "token_ids": tokens, "logprobs": logprobs, "cached_tokens": cached, "prompt_tokens": 64}
 
 
 def test_report_compares_each_path_with_recompute_and_the_control() -> None:
     paths = [ReusePath(RECOMPUTE, phase="cold"), ReusePath(CONTROL, prefix_caching=True, phase="floor"),
-             ReusePath("KVLab whole-step", "kvlab", zeroed=True)]
+             ReusePath("KVLab whole-step", "kvlab", damages=("zeroed",))]
     recompute = [_row(0, [1, 2, 3], [-0.1, -0.2, -0.3]), _row(1, [7, 8], [-1.0, -2.0])]
     control = [_row(0, [1, 2, 3], [-0.1, -0.2, -0.35], 32), _row(1, [7, 8], [-1.0, -2.0], 32)]
     kvlab = [_row(0, [1, 2, 4], [-0.1, -0.2, -0.9], 32), _row(1, [7, 8], [-1.0, -2.0], 32)]
@@ -87,7 +98,7 @@ def test_reuse_paths_and_bad_path_lists() -> None:
     names = [p.name for p in reuse_paths()]
     assert names[:2] == [RECOMPUTE, CONTROL] and "LMCache" not in names
     assert "LMCache" in [p.name for p in reuse_paths(lmcache=True)]
-    assert ReusePath("x", "kvlab", zeroed=True).phases == ("cold", "warm", "warm-zeroed")
+    assert ReusePath("x", "kvlab", damages=("zeroed",)).phases == ("cold", "warm", "warm-zeroed")
     with pytest.raises(ValueError, match="first two paths"):
         AccuracyCheck("unused", paths=[ReusePath("KVLab", "kvlab")]).run()
 

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("lm_eval")
 
 from kvlab.experiments import lmeval  # noqa: E402
-from kvlab.experiments.lmeval import TASK, gsm8k_config, write_task  # noqa: E402
+from kvlab.experiments.lmeval import TASK, gsm8k_config, write_gym_task, write_task  # noqa: E402
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "lmeval.md"
 
@@ -41,6 +41,21 @@ def test_task_folder_loads_in_lm_eval_like_gsm8k(tmp_path, offline) -> None:
     first, second = (task.fewshot_context(doc, 3) for doc in docs[:2])
     prefix = os.path.commonprefix([first, second])
     assert prefix.startswith("Question: ") and prefix.count("#### ") == 3  # every problem, the same shots
+
+
+def test_a_gym_task_folder_loads_in_lm_eval_with_shared_shots(tmp_path, offline) -> None:
+    from lm_eval.tasks import TaskManager
+
+    from kvlab.experiments.tasks import DISCRIMINATING
+
+    folder = write_gym_task(tmp_path / "sums", DISCRIMINATING.resized(4), train_size=2)
+    task = TaskManager(include_path=str(folder)).load(["chain_sum_kvlab"])["tasks"]["chain_sum_kvlab"]
+    docs = list(task.test_docs())
+    assert len(docs) == 4 and len(list(task.fewshot_docs())) == 2
+    first, second = (task.fewshot_context(doc, 2) for doc in docs[:2])
+    prefix = os.path.commonprefix([first, second])
+    assert prefix.startswith("Question: ") and prefix.count("\nAnswer: ") == 2
+    assert first.endswith("\nAnswer:") and task.config.generation_kwargs["until"] == ["\n", "Question:"]
 
 
 @pytest.mark.parametrize("options, error, message", [

@@ -32,3 +32,19 @@ def test_an_mla_model_with_another_block_size_is_refused_before_any_engine(tmp_p
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["DeepseekV2ForCausalLM"], "kv_lora_rank": 512}))
     with pytest.raises(ValueError, match="needs block_size=16, not 32"):
         run_engine(EngineSpec(str(tmp_path), block_size=32), [[1, 2, 3]])
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"architectures": ["MambaLMHeadForCausalLMv9"]}, r"cannot run \['MambaLMHeadForCausalLMv9'\]"),
+    ({"model_type": "llama"}, "names no architectures"),
+])
+def test_a_model_vllm_cannot_run_is_refused_before_any_engine(tmp_path: Path, config: dict, message: str) -> None:
+    import json
+
+    from kvlab.runtime.servers import VLLMServer
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        run_engine(EngineSpec(str(tmp_path)), [[1, 2, 3]])
+    with pytest.raises(ValueError, match=message):
+        VLLMServer(str(tmp_path)).model_folder

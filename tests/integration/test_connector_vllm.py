@@ -116,6 +116,7 @@ def test_every_seed_architecture_through_the_connector(name, layerwise, tmp_path
         assert bitwise(result, result, "cold", phase), phase
     stats = result["connector"]["default"]
     assert stats["load_errors"] == 0 and stats["save_errors"] == 0
+    assert stats["layout"] == ("mla_v0.29" if mla else "CPU_LBHNC"), "named for what vLLM handed over"
     if mla:
         assert stats["store"]["disk_reads"] > 0
     if mla and not layerwise:

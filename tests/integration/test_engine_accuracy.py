@@ -1,6 +1,7 @@
 """Engine-level accuracy (kvlab.experiments.engine_checks), for real: SmolLM2-135M fp32
 through recompute, vLLM's own prefix hit (the control) and KVLabConnector, whole-step and
-layerwise."""
+layerwise, on a task the model solves about half the time, so that a broken KV has room to
+move the score; and the same KV damaged on purpose, which must move it."""
 
 from __future__ import annotations
 
@@ -9,34 +10,60 @@ import math
 import pytest
 
 from kvlab.experiments.engine_checks import (
+    CONTROL,
     RECOMPUTE,
     AccuracyCheck,
     against_control,
     reuse_paths,
 )
-from kvlab.experiments.tasks import GSMTask
+from kvlab.experiments.tasks import DISCRIMINATING
+from kvlab.store.damage import DAMAGES
 
 pytestmark = pytest.mark.slow  # starts engines, servers or notebook kernels
 
+PROBLEMS = 200
 
-def test_kvlab_reuse_changes_nothing_in_fp32(smollm2: str) -> None:
-    """Recompute, the control and KVLabConnector (whole-step, layerwise) on a trained
-    model: identical generations; logprobs bitwise equal to vLLM's own prefix hit (which
-    itself differs from recompute only by the compute path); the text continuation was
-    scored on reloaded KV (zeroed KV gives another perplexity)."""
-    check = AccuracyCheck(smollm2, task=GSMTask(size=2, shots=2), max_tokens=16, windows=1,
-                          prefix_tokens=256, scored_tokens=16, paths=reuse_paths()[:4])
-    report = check.run()
+
+@pytest.fixture(scope="module")
+def report(smollm2: str):
+    check = AccuracyCheck(smollm2, task=DISCRIMINATING.resized(PROBLEMS), max_tokens=8, windows=1,
+                          prefix_tokens=256, scored_tokens=16, paths=reuse_paths(damages=tuple(DAMAGES))[:4])
+    return check.run()
+
+
+def test_kvlab_reuse_changes_nothing_in_fp32(report) -> None:
+    """Identical generations and logprobs bitwise equal to vLLM's own prefix hit (which
+    itself differs from recompute only by the compute path), so the same task score; the
+    text continuation was scored on reloaded KV."""
     assert all(row["no_worse_than_control"] for row in against_control(report.perplexity()))
-    for row in report.generations():
-        assert row["identical"] == 2, row
-        assert row["max_logprob_diff_vs_control"] == 0.0 or row["path"] == RECOMPUTE, row
+    generations = {row["path"]: row for row in report.generations()}
+    for name, row in generations.items():
         assert row["path"] == RECOMPUTE or row["reused_tokens"] > 0, row
+        if name not in (RECOMPUTE, CONTROL):
+            assert row["identical_to_control"] == PROBLEMS, row
+            assert row["max_logprob_diff_vs_control"] == 0.0, row
     for row in report.perplexity():
         assert row["path"] == RECOMPUTE or row["reused_prefix_tokens"] == 224, row
         if row["path"] != RECOMPUTE:
             assert row["max_logprob_diff_vs_control"] == 0.0, row
             assert row["max_logprob_diff"] <= 1e-4, row
-        if row["perplexity_zeroed_kv"] is not None:
-            assert abs(math.log(row["perplexity_zeroed_kv"] / row["perplexity"])) > 0.5, row
-    assert all(row["within_stderr"] for row in report.task_scores())
+    scores = {(row["path"], row["filter"]): row for row in report.task_scores()}
+    assert 0.2 <= scores[RECOMPUTE, "exact-match"]["accuracy"] <= 0.8, "the task must leave room to move"
+    assert all(row["within_stderr"] for row in scores.values())
+    assert len({row["accuracy"] for (path, _), row in scores.items() if path != RECOMPUTE}) == 1
+
+
+def test_damaged_kv_moves_the_checks(report) -> None:
+    """Every damage moves the task's generations and logprobs; zeroing every layer and the
+    wrong block order move the score by more than its standard error; the larger noise
+    moves the logprobs more than the smaller."""
+    rows = {(row["path"], row["damage"]): row for row in report.sensitivity()}
+    assert {damage for _, damage in rows} == set(DAMAGES)
+    for (path, damage), row in rows.items():
+        assert row["changed_generations"] > 0 and row["max_logprob_change"] > 1e-3, row
+        if damage in ("zeroed", "block-order"):
+            assert row["beyond_stderr"], row
+        if damage == "zeroed":
+            assert abs(math.log(row["perplexity_ratio"])) > 0.5, row
+    whole = [path for path, damage in rows if damage == "noise-1pct"][0]
+    assert rows[whole, "noise-10pct"]["max_logprob_change"] > rows[whole, "noise-1pct"]["max_logprob_change"]

@@ -84,3 +84,27 @@ def test_bad_extra_config_fails_start_up_and_leaves_nothing(tmp_path):
     assert "unknown kv_connector_extra_config key" in str(failure.value)
     assert server.process.poll() is not None
     assert server.pids() == []
+
+
+@pytest.mark.parametrize("name, options", [(SMOLLM2 + "-fp32", {}),
+                                           ("mini-deepseek-v2", {"block_size": 16, "attention_backend": "CPU_MLA"})])
+def test_the_seeds_request_replayed_with_the_openai_client(tmp_path, text, name, options):
+    """vllm-ascend #2039's check: its prompt, 10 tokens, temperature 0, through `vllm serve`
+    with the connector asked for cross-layer blocks, vLLM's prefix cache off and eager mode,
+    sent with the official openai client (completions and chat); then a long request twice,
+    the repeat served from the connector (nothing else can: vLLM's prefix cache is off) with
+    the same text. For SmolLM2 and for the MLA miniature."""
+    from kvlab.experiments.seed_plan import SEED_MAX_TOKENS, SEED_PROMPT, SeedReplay
+
+    replay = SeedReplay(prepared(name), text, log_path=tmp_path / "serve.log", **options)
+    rows = {(row["request"], row["api"]): row for row in replay.run()}
+    for api in ("completions", "chat"):
+        seed = rows["seed prompt", api]
+        assert seed["completion_tokens"] == len(seed["token_ids"]) == SEED_MAX_TOKENS, seed
+    assert rows["seed prompt", "completions"]["prompt_tokens"] < len(SEED_PROMPT)
+    first, repeat = rows["long, first"], rows["long, repeat"]
+    block_size = options.get("block_size", 32)
+    assert first["cached_tokens"] == 0
+    assert repeat["cached_tokens"] == (first["prompt_tokens"] - 1) // block_size * block_size
+    assert repeat["token_ids"] == first["token_ids"] and repeat["text"] == first["text"]
+    assert all(row["layout"] for row in rows.values()), "the registration line names the cache layout"
