@@ -47,10 +47,10 @@ class SeedReplay:
             rows.append(_row("seed prompt", "chat", client.chat.completions.create(
                 model=name, messages=[{"role": "user", "content": SEED_PROMPT}], max_tokens=SEED_MAX_TOKENS,
                 temperature=0, extra_body=ids)))
-            for request in ("long, first", "long, repeat"):
+            for request in ("long, first", "long, repeat"):  # with each token's logprob: fp32, compared
                 rows.append(_row(request, "completions", client.completions.create(
                     model=name, prompt=self.long_prompt, max_tokens=self.long_max_tokens, temperature=0,
-                    extra_body=ids)))
+                    logprobs=0, extra_body=ids)))
         registered = re.search(r"registered a (\S+) cache", Path(server.log_path).read_text())
         labels = {"model": Path(server.model_folder).name, "dtype": self.dtype,
                   "layout": registered.group(1) if registered else None}
@@ -63,5 +63,6 @@ def _row(request: str, api: str, response: Any) -> dict[str, Any]:
     return {"request": request, "api": api,
             "text": choice.message.content if api == "chat" else choice.text,
             "token_ids": list(getattr(choice, "token_ids", None) or []),
+            "logprobs": list(choice.logprobs.token_logprobs) if api == "completions" and choice.logprobs else [],
             "prompt_tokens": response.usage.prompt_tokens, "completion_tokens": response.usage.completion_tokens,
             "cached_tokens": (details.cached_tokens or 0) if details else 0}

@@ -102,9 +102,13 @@ def test_the_seeds_request_replayed_with_the_openai_client(tmp_path, text, name,
         seed = rows["seed prompt", api]
         assert seed["completion_tokens"] == len(seed["token_ids"]) == SEED_MAX_TOKENS, seed
     assert rows["seed prompt", "completions"]["prompt_tokens"] < len(SEED_PROMPT)
-    first, repeat = rows["long, first"], rows["long, repeat"]
+    first, repeat = rows["long, first", "completions"], rows["long, repeat", "completions"]
     block_size = options.get("block_size", 32)
     assert first["cached_tokens"] == 0
     assert repeat["cached_tokens"] == (first["prompt_tokens"] - 1) // block_size * block_size
     assert repeat["token_ids"] == first["token_ids"] and repeat["text"] == first["text"]
+    # the repeat's last prompt tokens run on top of the loaded KV: the same logprobs up to the
+    # compute path's own drift (a damaged KV moves them by far more)
+    assert len(repeat["logprobs"]) == len(first["logprobs"]) == len(first["token_ids"])
+    assert max(abs(a - b) for a, b in zip(repeat["logprobs"], first["logprobs"])) < 1e-3
     assert all(row["layout"] for row in rows.values()), "the registration line names the cache layout"
