@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -171,9 +171,9 @@ class AccuracyReport:
     def sensitivity(self) -> list[dict]:
         """Per path and damage of its stored KV: how far the checks moved from the same
         path's undamaged run: task prompts whose greedy output changed, the task score's
-        change (and whether it exceeds one stderr), the perplexity's ratio and the largest
-        logprob change on the text continuations. A check that does not move cannot see
-        the reloaded KV."""
+        change (and whether it exceeds one stderr), the perplexity's ratio on the text
+        continuations and the largest logprob change anywhere. A check that does not move
+        cannot see the reloaded KV."""
         rows = []
         for path in self.paths:
             good = self.rows(path)
@@ -191,7 +191,7 @@ class AccuracyReport:
                         "accuracy_undamaged": good_score[name]["accuracy"], "accuracy_change": change,
                         "beyond_stderr": abs(change) > good_score[name]["stderr"],
                         "perplexity_ratio": _perplexity(bad[text]) / _perplexity(good[text]) if bad[text] else None,
-                        "max_logprob_change": _max_logprob_diff(bad[text], good[text]),
+                        "max_logprob_change": _max_logprob_diff(bad, good),
                     })
         return rows
 
@@ -214,6 +214,28 @@ class AccuracyReport:
                 rows.append({"path": name, "filter": f, **s, "difference": difference,
                              "within_stderr": difference == 0 or abs(difference) <= base[f]["stderr"]})
         return rows
+
+
+def score_tasks(model: str, tasks: Sequence[GymTask], size: int = 100, shots: int = 3,
+                dtype: str = "float32", max_tokens: int = 16) -> list[dict]:
+    """Each task's score for ``model`` (recompute, greedy, every task's prompts in one
+    engine): how DISCRIMINATING was chosen, a task the model is right on sometimes, not
+    always."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tasks = [replace(task, size=size, shots=shots) for task in tasks]
+    prompts = [tokenizer.encode(p) for task in tasks for p in task.prompts()]
+    stops = sorted({stop for task in tasks for stop in task.stop})
+    spec = EngineSpec(model, dtype=dtype, phases=("cold",), max_tokens=max_tokens, batch=True, stop=tuple(stops),
+                      max_num_batched_tokens=8192)
+    outputs = sorted(run_engine(spec, prompts, timeout=3600)["phases"]["cold"], key=lambda r: r["prompt"])
+    texts = [tokenizer.decode(r["token_ids"], skip_special_tokens=True) for r in outputs]
+    rows = []
+    for i, task in enumerate(tasks):
+        for name, score in task.score(texts[i * size:(i + 1) * size]).items():
+            rows.append({"model": Path(model).name, "task": task.label, "filter": name, "shots": shots, **score})
+    return rows
 
 
 def batch_invariance(model: str, prompts: list[list[int]], dtype: str = "bfloat16") -> dict:

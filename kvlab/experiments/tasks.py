@@ -111,6 +111,27 @@ class GSMTask(GymTask):
         return _strict_answer(text) if name == "strict-match" else _last_number(text)
 
 
+def _gym(name: str, **options: Any) -> GymTask:
+    return GymTask(name, tuple(options.items()))
+
+
+# Tasks a small model might solve sometimes: scored by engine_checks.score_tasks to pick one
+# (short answers, one line each; GSMTask's worked answers score 0 for SmolLM2-135M).
+CANDIDATES = (
+    _gym("chain_sum", min_terms=2, max_terms=2, min_digits=1, max_digits=1),
+    _gym("chain_sum", min_terms=2, max_terms=2, min_digits=1, max_digits=2),
+    _gym("basic_arithmetic", min_terms=2, max_terms=2, min_digits=1, max_digits=1),
+    _gym("products", min_terms=2, max_terms=2, min_digits=1, max_digits=1),
+    _gym("letter_counting", min_words=3, max_words=5),
+    _gym("count_bits", min_n=1, max_n=15),
+    _gym("gcd", min_numbers=2, max_numbers=2, min_value=1, max_value=20),
+    _gym("word_sorting", min_words=2, max_words=3),
+    _gym("word_sequence_reversal", min_words=2, max_words=3),
+    _gym("leg_counting", min_animals=1, max_animals=2, max_instances=2),
+    _gym("spell_backward", min_word_len=3, max_word_len=4),
+    _gym("syllogism"),
+)
+
 # Measured with SmolLM2-135M-Instruct (fp32, greedy, 3 shots): tasks it solves sometimes,
 # not always (20-80%), so a broken KV has room to move the score either way.
 DISCRIMINATING = GymTask("chain_sum", (("min_terms", 2), ("max_terms", 2), ("min_digits", 1), ("max_digits", 1)),

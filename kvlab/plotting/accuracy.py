@@ -60,15 +60,17 @@ def accuracy_figure(generations: Sequence[dict], perplexity: Sequence[dict], sco
     axes[1].barh(range(len(names)), [100 * g["identical_share"] for g in generations], 0.7, color=colours)
     axes[1].set_xlim(0, 105)
     axes[1].set_xlabel("identical greedy generations (%)")
-    flexible = {s["path"]: s for s in scores if s["filter"] == "flexible-extract"}
+    shown = "flexible-extract" if any(s["filter"] == "flexible-extract" for s in scores) else scores[0]["filter"]
+    flexible = {s["path"]: s for s in scores if s["filter"] == shown}
     accuracy = [100 * flexible[n]["accuracy"] for n in names]
     axes[2].barh(range(len(names)), accuracy, 0.7, color=colours,
                  xerr=[100 * flexible[n]["stderr"] for n in names], capsize=3)
     for i, (a, n) in enumerate(zip(accuracy, names)):
-        axes[2].text(a, i, f" {a:.1f}% ± {100 * flexible[n]['stderr']:.1f} (n={int(flexible[n]['n'])})", va="center",
+        axes[2].text(a + 100 * flexible[n]["stderr"], i,
+                     f" {a:.1f}% ± {100 * flexible[n]['stderr']:.1f} (n={int(flexible[n]['n'])})", va="center",
                      fontsize=7)
     axes[2].set_xlim(0, max([5.0] + [a + 100 * flexible[n]["stderr"] for a, n in zip(accuracy, names)]) * 1.4)
-    axes[2].set_xlabel("task accuracy, flexible-extract (%, +/- stderr)")
+    axes[2].set_xlabel(f"task accuracy, {shown} (%, +/- stderr)")
     return _rows_labelled(fig, axes[0], names, title)
 
 

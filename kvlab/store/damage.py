@@ -12,7 +12,7 @@ import torch
 
 from kvlab.cache.allocation import KVCache
 
-KINDS = ("zero", "noise", "block-order")
+KINDS = ("zero", "noise", "block-order", "block-shift")
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,9 @@ class KVDamage:
 
     ``zero``: every layer, or only ``layer``; ``noise``: add Gaussian noise whose standard
     deviation is ``scale`` times each layer's own; ``block-order``: each block gets the next
-    block's KV (the last gets the first's), as a connector that mixed up block ids would."""
+    block's KV and the last the first's (the same blocks in another order); ``block-shift``:
+    each block gets the next block's KV and the last keeps its own (a block id off by one: the
+    first block's KV is lost, the last is there twice)."""
 
     kind: str
     layer: int | None = None
@@ -46,7 +48,7 @@ class KVDamage:
             layers = [layers[self.layer]]
         generator = torch.Generator().manual_seed(self.seed)
         block_dim = cache.layout.view_shape.index("B") if "B" in cache.layout.view_shape else None
-        if self.kind == "block-order" and block_dim is None:
+        if self.kind.startswith("block") and block_dim is None:
             raise ValueError(f"{cache.layout.name} has no block dimension to reorder")
         with torch.inference_mode():  # an engine makes its chunks in inference mode
             for part in (p for layer in layers for p in (layer if isinstance(layer, tuple) else (layer,))):
@@ -55,18 +57,24 @@ class KVDamage:
                 elif self.kind == "noise":
                     noise = torch.randn(part.shape, generator=generator, dtype=torch.float32)
                     part.add_((noise * part.float().std() * self.scale).to(part.dtype))
-                else:
+                elif self.kind == "block-order":
                     part.copy_(part.roll(-1, dims=block_dim))
+                elif part.shape[block_dim] > 1:
+                    rest = part.shape[block_dim] - 1
+                    part.narrow(block_dim, 0, rest).copy_(part.narrow(block_dim, 1, rest).clone())
 
 
 # The named damages the engine checks run (phase "warm-<name>"): two noise scales a decade
-# apart show how the checks scale with the size of the fault.
+# apart show how the checks scale with the size of the fault. A reordering of a prefix's
+# blocks is nearly invisible to attention (each key carries its position; the causal mask
+# covers the whole prefix), an off-by-one block id is not.
 DAMAGES = {
     "zeroed": KVDamage("zero"),
     "layer0-zeroed": KVDamage("zero", layer=0),
     "noise-1pct": KVDamage("noise", scale=0.01),
     "noise-10pct": KVDamage("noise", scale=0.1),
     "block-order": KVDamage("block-order"),
+    "block-shift": KVDamage("block-shift"),
 }
 
 

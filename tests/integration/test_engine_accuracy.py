@@ -54,15 +54,17 @@ def test_kvlab_reuse_changes_nothing_in_fp32(report) -> None:
 
 
 def test_damaged_kv_moves_the_checks(report) -> None:
-    """Every damage moves the task's generations and logprobs; zeroing every layer and the
-    wrong block order move the score by more than its standard error; the larger noise
-    moves the logprobs more than the smaller."""
+    """Every damage but a pure reordering of a prefix's blocks (nearly invisible to attention:
+    each key carries its position) moves the logprobs; zeroing every layer and a block id off
+    by one move the score by far more than its standard error, and zeroing the perplexity far
+    off; the larger noise moves the logprobs more than the smaller."""
     rows = {(row["path"], row["damage"]): row for row in report.sensitivity()}
     assert {damage for _, damage in rows} == set(DAMAGES)
     for (path, damage), row in rows.items():
-        assert row["changed_generations"] > 0 and row["max_logprob_change"] > 1e-3, row
-        if damage in ("zeroed", "block-order"):
-            assert row["beyond_stderr"], row
+        if damage != "block-order":
+            assert row["max_logprob_change"] > 1e-3, row
+        if damage in ("zeroed", "block-shift"):  # measured: -0.505 and -0.345 against a stderr of 0.035
+            assert row["beyond_stderr"] and row["changed_generations"] > PROBLEMS // 4, row
         if damage == "zeroed":
             assert abs(math.log(row["perplexity_ratio"])) > 0.5, row
     whole = [path for path, damage in rows if damage == "noise-1pct"][0]

@@ -41,6 +41,9 @@ def test_each_damage_changes_what_it_says_and_the_undo_restores_it(layout: str, 
                 assert torch.equal(new, torch.zeros_like(old) if hit else old), (name, i)
             elif damage.kind == "block-order":
                 assert torch.equal(new, old.roll(-1, dims=block_dim)) and not torch.equal(new, old), (name, i)
+            elif damage.kind == "block-shift":
+                shifted = torch.cat([old.narrow(block_dim, 1, 2), old.narrow(block_dim, 2, 1)], dim=block_dim)
+                assert torch.equal(new, shifted), (name, i)
             else:
                 relative = (new - old).std() / old.std()
                 assert 0.5 * damage.scale < relative < 2 * damage.scale, (name, i, float(relative))
