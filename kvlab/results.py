@@ -148,13 +148,17 @@ def _slug(text: str) -> str:
     return "-".join(part for part in keep.split("-") if part)[:60]
 
 
+def committed_results_dir() -> Path:
+    """The checkout's data/results (else the working directory's): the committed results."""
+    root = Path(__file__).resolve().parent.parent
+    return root / "data" / "results" if (root / "pyproject.toml").exists() else Path("data") / "results"
+
+
 def default_results_path(stem: str, device: str | torch.device = "auto", results_dir: str | Path | None = None) -> Path:
     """``<results_dir>/<stem>-<hardware>.jsonl``, by default in the checkout's data/results
     (else the working directory's): one file per machine, appended run after run."""
     device = resolve_device(device)
-    if results_dir is None:
-        root = Path(__file__).resolve().parent.parent
-        results_dir = root / "data" / "results" if (root / "pyproject.toml").exists() else Path("data") / "results"
+    results_dir = committed_results_dir() if results_dir is None else results_dir
     return Path(results_dir) / f"{stem}-{_slug(device.type + ' ' + device_name(device))}.jsonl"
 
 
