@@ -86,6 +86,8 @@ def write_gym_task(folder: str | Path, task: GymTask, train_size: int = 16, name
     scored by exact match of the answer's first line. Returns the folder."""
     import yaml
 
+    if isinstance(train_size, bool) or not isinstance(train_size, int) or train_size < 1:
+        raise ValueError(f"train_size must be an integer >= 1 (the shots come from it), got {train_size!r}")
     name = name or f"{task.name}_kvlab"
     folder = Path(folder).resolve()
     folder.mkdir(parents=True, exist_ok=True)

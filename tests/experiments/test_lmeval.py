@@ -56,6 +56,8 @@ def test_a_gym_task_folder_loads_in_lm_eval_with_shared_shots(tmp_path, offline)
     prefix = os.path.commonprefix([first, second])
     assert prefix.startswith("Question: ") and prefix.count("\nAnswer: ") == 2
     assert first.endswith("\nAnswer:") and task.config.generation_kwargs["until"] == ["\n", "Question:"]
+    with pytest.raises(ValueError, match="train_size must be an integer >= 1"):
+        write_gym_task(tmp_path / "none", DISCRIMINATING.resized(4), train_size=0)
 
 
 @pytest.mark.parametrize("options, error, message", [
