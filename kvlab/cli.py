@@ -8,11 +8,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Sequence
 
+from kvlab.cache.devices import resolve_device
 from kvlab.cache.geometry import resolve_model
 from kvlab.cache.layouts import LAYOUTS, get_layout
 from kvlab.cache.segments import transfer_cost
+from kvlab.results import default_results_path
 from kvlab.transfer.registry import ALL_METHODS
 
 
@@ -88,11 +91,17 @@ def run_bench(args: argparse.Namespace) -> None:
     unknown = [m for m in profile["methods"] if m not in ALL_METHODS]
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; choose from {list(ALL_METHODS)}")
-    out = None if args.no_save else args.out or bench.default_results_path("02_transfer", args.device, args.results_dir)
+    out = None if args.no_save else args.out or default_results_path("02_transfer", args.device, args.results_dir)
     configs = bench.configs(profile, dtype=args.dtype, block_size=args.block_size)
     repeats = profile["repeats"] if args.repeats is None else args.repeats
-    rows = bench.run_sweep(configs, args.device, repeats=repeats, out=out)
+    if args.runs < 1:
+        raise ValueError(f"--runs must be at least 1, got {args.runs}")
+    rows = []
+    for _ in range(args.runs):  # back to back, each its own run record
+        rows += bench.run_sweep(configs, args.device, repeats=repeats, out=out)
     print(bench.format_rows(rows))
+    if args.profile == "ceiling":
+        print(bench.format_targets(bench.ceiling_targets(rows)))
     if out:
         print(f"appended {len(rows)} rows to {out}")
 
@@ -100,7 +109,10 @@ def run_bench(args: argparse.Namespace) -> None:
 def run_layerwise(args: argparse.Namespace) -> None:
     from kvlab.experiments import bench
 
-    out = None if args.no_save else args.out or bench.default_results_path("02_layerwise", args.device, args.results_dir)
+    if args.compute == "attention":
+        run_attention_layerwise(args)
+        return
+    out = None if args.no_save else args.out or default_results_path("02_layerwise", args.device, args.results_dir)
     rows = bench.run_pipeline_sweep(_csv(args.model), _csv(args.tokens, int), _csv(args.intensities, float),
                                     args.device, args.repeats, out=out)
     for row in rows:
@@ -109,6 +121,39 @@ def run_layerwise(args: argparse.Namespace) -> None:
               f"speedup {row['speedup']:.2f} (ideal {row['ideal_speedup']:.2f})")
     if out:
         print(f"appended {len(rows)} rows to {out}")
+
+
+def run_attention_layerwise(args: argparse.Namespace) -> None:
+    from kvlab.experiments import bench
+    from kvlab.results import append_results, start_run
+
+    out = None if args.no_save else args.out or default_results_path("02_attention", args.device, args.results_dir)
+    run = start_run(resolve_device(args.device), out)
+    for model in _csv(args.model):
+        for tokens in _csv(args.tokens, int):
+            row = {"run_id": run["run_id"], **bench.attention_pipeline(
+                resolve_model(model), tokens, args.new_tokens, args.device, args.repeats)}
+            append_results(out, [row])
+            print(f"{model:40s} {tokens:6d} + {args.new_tokens} tokens  load {row['load_s'] * 1e3:8.2f} ms  "
+                  f"attention {row['compute_s'] * 1e3:8.2f} ms  sequential {row['sequential_s'] * 1e3:8.2f} ms  "
+                  f"layerwise {row['layerwise_s'] * 1e3:8.2f} ms  speedup {row['speedup']:.2f} "
+                  f"(ideal {row['ideal_speedup']:.2f})")
+
+
+def run_device_summary(args: argparse.Namespace) -> int:
+    from kvlab.experiments.device_check import format_summary, summarize
+
+    steps = {}
+    for text in args.step:
+        try:
+            name, ended = text.split("=")
+            rc, seconds = map(int, ended.split(":"))
+        except ValueError:
+            raise ValueError(f"--step takes NAME=RC:SECONDS, got {text!r}") from None
+        steps[name] = {"rc": rc, "seconds": seconds}
+    result = summarize(Path(args.out), steps)
+    print(format_summary(result))
+    return 0 if result["ok"] else 1
 
 
 def run_models(args: argparse.Namespace) -> int:
@@ -173,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="measure nothing: redraw every figure from the committed results")
 
     bench = sub.add_parser("bench", help="time offload and load against this machine's copy ceiling")
-    bench.add_argument("--profile", choices=["quick", "full", "gpu"], default=None,
+    bench.add_argument("--profile", choices=["quick", "full", "gpu", "ceiling", "dry"], default=None,
                        help="a preset sweep (default: full's methods and layouts for the models given)")
     bench.add_argument("--quick", action="store_true", help="the quick profile: under a minute on a small CPU")
     bench.add_argument("--model", default=None, help="comma-separated presets or model folders")
@@ -184,6 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--block-size", type=int, default=16)
     bench.add_argument("--device", default="auto", help="auto, cpu, cuda or npu")
     bench.add_argument("--repeats", type=int, default=None)
+    bench.add_argument("--runs", type=int, default=1, help="sweeps back to back (the ceiling targets hold over three)")
     bench.add_argument("--out", default=None, help="JSONL file to append to (default data/results/02_transfer-<hardware>.jsonl)")
     bench.add_argument("--results-dir", default=None, help="where the default-named JSONL goes (default data/results)")
     bench.add_argument("--no-save", action="store_true", help="print only")
@@ -194,6 +240,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     lw.add_argument("--intensities", default="0.25,0.5,1,2,4", help="per-layer compute time / load time")
     lw.add_argument("--device", default="auto")
     lw.add_argument("--repeats", type=int, default=5)
+    lw.add_argument("--compute", choices=["matmul", "attention"], default="matmul",
+                    help="matmul: a stand-in tuned to each intensity; attention: kvlab's tiny attention stack over "
+                         "the loaded prefix, through the hooks (rows go to 02_attention-<hardware>.jsonl)")
+    lw.add_argument("--new-tokens", type=int, default=128, help="with --compute attention: tokens computed over the prefix")
     lw.add_argument("--out", default=None, help="JSONL file (default data/results/02_layerwise-<hardware>.jsonl)")
     lw.add_argument("--results-dir", default=None, help="where the default-named JSONL goes (default data/results)")
     lw.add_argument("--no-save", action="store_true")
@@ -218,6 +268,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ev.add_argument("--seed", type=int, default=0, help="problem generator and engine seed")
     ev.add_argument("--task-dir", default=None, help="where the task folder is written (default: a temporary one)")
 
+    summary = sub.add_parser("device-summary", help="summarize a scripts/device-check run (the folder it wrote)")
+    summary.add_argument("out", help="the device check's $OUT")
+    summary.add_argument("--step", action="append", default=[], metavar="NAME=RC:SECONDS",
+                         help="how a step of the script ended (repeatable)")
+
     args = parser.parse_args(argv)
     try:
         if args.command == "layout":
@@ -238,6 +293,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_models(args)
         elif args.command == "lmeval":
             return run_lmeval(args)
+        elif args.command == "device-summary":
+            return run_device_summary(args)
         else:
             from kvlab.runtime.notebooks import run_notebooks
 

@@ -18,7 +18,8 @@ from kvlab.transfer.registry import get_method, method_colours
 
 def transfer_ratios(rows: Sequence[dict], model: str, tokens: int, block_ids: str = "scattered",
                     target: str = "host") -> plt.Figure:
-    """Each layout x method as a share of the copy ceiling measured beside it, per direction."""
+    """Each layout x method as a share of the copy ceiling measured beside it, per direction;
+    whiskers span the repeats' quartiles and hatched bars are flagged as noise."""
     chosen = _ok(rows, model=model, tokens=tokens, block_ids=block_ids, target=target)
     layouts = list(dict.fromkeys(r["layout"] for r in chosen))
     colours = method_colours()
@@ -31,7 +32,10 @@ def transfer_ratios(rows: Sequence[dict], model: str, tokens: int, block_ids: st
                 hit = [r for r in chosen if r["layout"] == layout and r["method"] == method and r["direction"] == direction]
                 if hit:
                     r = hit[0]
-                    ax.bar(i + j * width, r["ratio"], width, color=colours[method], label=get_method(method).legend)
+                    spread = ([[r["ratio"] - r["ratio_q1"]], [r["ratio_q3"] - r["ratio"]]]
+                              if "ratio_q1" in r else None)  # the repeats' quartiles, where recorded
+                    ax.bar(i + j * width, r["ratio"], width, color=colours[method], label=get_method(method).legend,
+                           yerr=spread, error_kw={"lw": 0.6, "capsize": 1.5}, hatch="//" if r.get("noisy") else None)
                     ax.text(i + j * width, r["ratio"] + 0.02, f"{r['gbps']:.1f}", ha="center", fontsize=6, rotation=90)
         ax.axhline(1.0, color="black", lw=0.8, ls="--")
         ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(layouts))], layouts, fontsize=8)

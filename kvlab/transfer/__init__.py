@@ -1,9 +1,11 @@
 """Moving KV blocks between a paged cache and a buffer: one engine, a copy method per module.
 
 Every method moves the same bytes; they differ in how many operations they issue:
-``segments`` (one copy per contiguous run), ``gather`` (batched indexed copies),
-``compiled`` (one torch.compile kernel), ``triton`` (kvlab's Triton kernel), and the
-peers ``lmcache`` and ``vllm`` (those projects' own copy functions, where they import).
+``segments`` (one copy per contiguous run), ``memcpy`` (every run in one call to kvlab's C
+batch copy, host memory, on the CPU's threads), ``gather`` (batched indexed copies),
+``compiled`` (one torch.compile kernel), ``triton`` (kvlab's Triton kernel), ``dma`` (one
+cudaMemcpyBatchAsync call for the copy engines), and the peers ``lmcache`` and ``vllm``
+(those projects' own copy functions, where they import).
 Each lives in ``kvlab/transfer/methods/`` and registers itself (kvlab.transfer.registry);
 a new method is one new module there. Needs torch only.
 """

@@ -11,7 +11,7 @@ import torch
 
 from kvlab.cache.allocation import KVCache
 
-SPLIT_BYTES = 8 << 20
+SPLIT_BYTES = 8 << 20  # an indexed copy at least this big is split over the CPU's threads
 INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 

@@ -77,21 +77,49 @@ def index_pairs(t: Transfer, src: KVCache, dst: KVCache, gather: bool) -> list[t
     return [(s, d, 0) for rs, rd in zip(part_tensors(src, layers), part_tensors(dst, layers)) for s, d in zip(rs, rd)]
 
 
+def layer_slices(cache: KVCache, layers: Sequence[int] | None) -> list[list[tuple[int, ...]]]:
+    """For each backing tensor, the index tuples (into its shaped view) of the bytes that
+    ``layers`` own: ``[()]`` for the whole tensor, ``[]`` for none. Staging a one-layer
+    copy then moves that layer's bytes, not every layer's."""
+    out = []
+    for alloc in allocations(cache.layout, cache.geometry, cache.num_blocks):
+        if layers is None:
+            out.append([()])
+        elif "L" in alloc.index:  # a tensor of one layer
+            out.append([()] if alloc.index["L"] in layers else [])
+        else:
+            at = alloc.axes.index("L")
+            out.append([(slice(None),) * at + (layer,) for layer in layers])
+    return out
+
+
+def _staged_copy(pairs: list[tuple[torch.Tensor, torch.Tensor]], slices: list[list[tuple[int, ...]]],
+                 cache: KVCache, non_blocking: bool) -> None:
+    """Copy ``slices`` of each (from, to) backing tensor pair."""
+    for (a, b), alloc, parts in zip(pairs, allocations(cache.layout, cache.geometry, cache.num_blocks), slices):
+        for index in parts:
+            b.view(alloc.sizes)[index].copy_(a.view(alloc.sizes)[index], non_blocking=non_blocking)
+
+
 def staged(t: Transfer, kernel: Callable[[KVCache, KVCache], None]) -> None:
-    """Run a device-local kernel; across devices, through a device-side copy of the host side."""
+    """Run a device-local kernel; across devices, through a device-side copy of the host
+    side, of which only the layers the transfer moves cross (a layerwise load stages each
+    layer once, not the whole buffer per layer)."""
     if not t.staged:
         kernel(t.src, t.dst)
         return
     non_blocking = t.device.type != "cpu"
-    if device_of(t.src) == t.device:  # offload: kernel into a device copy of dst, then one copy per tensor
+    if device_of(t.src) == t.device:  # offload: kernel into a device copy of dst, then copy back
         # a destination the copy fills completely needs no upload; otherwise start from its
         # bytes, so blocks the kernel does not write survive the copy back
+        slices = layer_slices(t.dst, t.layers)
         covered = t.layers is None and sorted(t.dst_blocks) == list(range(t.dst.num_blocks))
-        stage = replace(t.dst, storage=[torch.empty_like(x, device=t.device) if covered else
-                                        x.to(t.device, non_blocking=non_blocking, copy=True) for x in t.dst.storage])
+        stage = replace(t.dst, storage=[torch.empty_like(x, device=t.device) for x in t.dst.storage])
+        if not covered:
+            _staged_copy(list(zip(t.dst.storage, stage.storage)), slices, t.dst, non_blocking)
         kernel(t.src, stage)
-        for host, dev in zip(t.dst.storage, stage.storage):
-            host.copy_(dev, non_blocking=non_blocking)
+        _staged_copy(list(zip(stage.storage, t.dst.storage)), slices, t.dst, non_blocking)
     else:
-        stage = replace(t.src, storage=[x.to(t.device, non_blocking=non_blocking, copy=True) for x in t.src.storage])
+        stage = replace(t.src, storage=[torch.empty_like(x, device=t.device) for x in t.src.storage])
+        _staged_copy(list(zip(t.src.storage, stage.storage)), layer_slices(t.src, t.layers), t.src, non_blocking)
         kernel(stage, t.dst)

@@ -206,7 +206,7 @@ def test_full_store_evicts_and_never_fails() -> None:
     ({"layerwise": "yes"}, "layerwise must be true or false"),
     ({"store_bytes": 0}, "store_bytes must be a positive integer"),
     ({"chunk_size": -32}, "chunk_size must be a positive integer"),
-    ({"method": "memcpy"}, "method must be one of"),
+    ({"method": "teleport"}, "method must be one of"),
     ({"verify": "never"}, "verify must be 'always' or 'disk'"),
     ({"tiers": ["memory", "s3"]}, r"tiers must name each of \['memory', 'shm', 'disk', 'redis'\]"),
     ({"tiers": ["memory", "memory"]}, "at most once"),

@@ -160,3 +160,21 @@ def test_a_run_that_measured_nothing_does_not_hide_the_last_one(tmp_path):
     with pytest.raises(ValueError):
         bench.run_sweep([bench.Config(SMALL, "LBHNC", "nosuch", "offload", 32)], "cpu", repeats=1, out=out)
     assert len(results.load_results([out])) == 1
+
+
+def test_ceiling_targets_judge_the_worse_direction():
+    """A method counts by its worse direction; each target takes the best method so judged."""
+    def row(layout, method, direction, ratio, cross=False):
+        return {"status": "ok", "target": "host", "run_id": "r1", "layout": layout, "method": method,
+                "direction": direction, "ratio": ratio, "cross_layer": cross, "ceiling_gbps": 10.0}
+
+    rows = [row("BLHNC", "gather", "offload", 0.99, True), row("BLHNC", "gather", "load", 0.7, True),
+            row("BLHNC", "memcpy", "offload", 0.96, True), row("BLHNC", "memcpy", "load", 0.97, True),
+            row("LBHNC", "memcpy", "offload", 0.85), row("LBHNC", "memcpy", "load", 0.92),
+            row("LHBNC", "gather", "offload", 0.75), row("LHBNC", "gather", "load", 0.8)]
+    targets = {t["target"]: t for t in bench.ceiling_targets(rows)}
+    assert (targets["cross-layer"]["method"], targets["cross-layer"]["ratio"], targets["cross-layer"]["met"]) == (
+        "memcpy", 0.96, True)
+    assert (targets["per-layer"]["layout"], targets["per-layer"]["ratio"], targets["per-layer"]["met"]) == (
+        "LBHNC", 0.85, False)
+    assert targets["LHBNC"]["ratio"] == 0.75 and targets["LHBNC"]["met"] and "NO" in bench.format_targets(list(targets.values()))

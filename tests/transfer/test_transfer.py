@@ -30,6 +30,7 @@ from kvlab.cache import (
     scattered_block_ids,
 )
 from kvlab.transfer import LayerwiseLoad, Transfer, chunk_buffer, host_buffer, method_status
+from kvlab.transfer.views import layer_slices
 
 KV = ModelGeometry("kv", 2, 2, 8, dtype="bfloat16", block_size=4)
 MLA = ModelGeometry.mla("mla", 2, 12, 4, dtype="bfloat16", block_size=4)
@@ -182,7 +183,7 @@ def poisoned_empty(monkeypatch):
 @given(data=st.data())
 def test_round_trip_is_bit_exact(mla, layout, data):
     """Offload then load gives back every bit (NaN patterns too) and touches no other block,
-    for every paged layout, with segments and gather, packed or explicit buffer blocks."""
+    for every paged layout, with segments, gather and memcpy, packed or explicit buffer blocks."""
     geometry = data.draw(geometries(mla))
     num_blocks = data.draw(st.integers(1, 8))
     ids = data.draw(block_id_sets(num_blocks))
@@ -191,7 +192,7 @@ def test_round_trip_is_bit_exact(mla, layout, data):
     buffer_blocks = data.draw(st.permutations(range(size)))[:len(ids)] if explicit else None
     src = random_bits(allocate(layout, geometry, num_blocks), data.draw(st.integers(0, 2**16)))
     buffers = []
-    for method in ("segments", "gather"):
+    for method in ("segments", "gather", "memcpy"):
         buffers.append(host_buffer(src, size))
         round_trip(src, ids, buffers[-1], buffer_blocks, method)
     for other in buffers[1:]:
@@ -211,7 +212,7 @@ def test_gather_moves_fp8(layout):
 MOVES = [([0, 1], [2, 3]), ([5, 2], [0, 1]), ([1, 2], [5, 3]), ([4, 0], [1, 5])]
 
 
-@pytest.mark.parametrize("method", ["segments", "gather", "compiled"])
+@pytest.mark.parametrize("method", ["segments", "gather", "compiled", "memcpy"])
 @pytest.mark.parametrize("mla, layout", PAGED, ids=[f"{n}-{'mla' if m else 'kv'}" for m, n in PAGED])
 def test_move_inside_one_cache(mla, layout, method):
     """Blocks moved to other blocks of the same cache (none of them a source) arrive
@@ -226,7 +227,7 @@ def test_move_inside_one_cache(mla, layout, method):
         assert_other_blocks(cache, dst_blocks, kv_bytes(before))
 
 
-@pytest.mark.parametrize("method", ["segments", "gather", "compiled"])
+@pytest.mark.parametrize("method", ["segments", "gather", "compiled", "memcpy"])
 @pytest.mark.parametrize("layout", ["LBHNC", "BLHNC", "ascend_kv_tuple"])
 def test_overlapping_move_is_refused(layout, method):
     """A move that reads blocks it also writes (a swap, a shift, a block onto itself) would
@@ -372,7 +373,7 @@ LAYERWISE = [("LBHNC", KV, None), ("BLHNC", KV, None), ("flash_attn_v0.12_cross"
              ("flash_attn_v0.12", KV.with_(num_layers=3), "KV_T2D")]
 
 
-@pytest.mark.parametrize("method", ["segments", "gather"])
+@pytest.mark.parametrize("method", ["segments", "gather", "memcpy"])
 @pytest.mark.parametrize("layout, geometry, fmt", LAYERWISE, ids=[f"{c[0]}-{c[2]}" for c in LAYERWISE])
 def test_layerwise_load_equals_whole_load(layout, geometry, fmt, method):
     """Loading layer by layer (start, wait(i), finish) leaves what one whole load leaves,
@@ -450,6 +451,25 @@ def test_staging_leaves_other_blocks_alone(method, direction, poisoned_empty):
     assert_other_blocks(staged, blocks, before)
 
 
+@pytest.mark.parametrize("direction", ["offload", "load"])
+@pytest.mark.parametrize("layout", ["LBHNC", "BLHNC", "ascend_kv_tuple", "flash_attn_v0.12"])
+def test_staged_layer_moves_that_layer_only(layout, direction, poisoned_empty):
+    """A one-layer staged copy (a layerwise load or save across devices) writes that
+    layer's blocks, leaves every other byte alone, and stages 1/L of the buffer, not all of it."""
+    g = KV.with_(num_layers=3)
+    cache = random_bits(allocate(layout, g, 7), seed=9)
+    buffer = random_bits(host_buffer(cache, 4), seed=10)
+    src, src_blocks, dst, dst_blocks = ((cache, [5, 1], buffer, [2, 0]) if direction == "offload"
+                                        else (buffer, [2, 0], cache, [5, 1]))
+    before = kv_bytes(dst)
+    Transfer(src, src_blocks, dst, dst_blocks, "gather", layers=[1], staging=True).run()
+    assert_same_blocks(dst, dst_blocks, src, src_blocks, layers=[1])
+    assert_other_blocks(dst, dst_blocks, before, layers=[1])
+    staged_bytes = sum(t.view(a.sizes)[i].nbytes for t, a, parts in
+                       zip(buffer.storage, allocations(buffer.layout, g, 4), layer_slices(buffer, [1])) for i in parts)
+    assert staged_bytes * g.num_layers == buffer.nbytes
+
+
 def _kv_cache(layout="LBHNC", geometry=KV, num_blocks=4):
     return allocate(layout, geometry, num_blocks)
 
@@ -469,8 +489,8 @@ BAD = {
     "duplicate": (lambda: Transfer(_kv_cache(), [1, 2], _kv_cache(), [3, 3]), r"block ids \[3\] appear more than once"),
     "count": (lambda: Transfer(_kv_cache(), [1, 2], _kv_cache(), [0, 1, 3]), "2 source blocks but 3 destination blocks"),
     "layers": (lambda: Transfer(_kv_cache(), [1], _kv_cache(), layers=[0, 2, -1]), r"layers \[2, -1\] out of range 0..1"),
-    "unknown method": (lambda: Transfer(_kv_cache(), [1], _kv_cache(), method="memcpy"),
-                       r"unknown method 'memcpy'; choose one of"),
+    "unknown method": (lambda: Transfer(_kv_cache(), [1], _kv_cache(), method="teleport"),
+                       r"unknown method 'teleport'; choose one of"),
     "lmcache pair": (lambda: Transfer(_kv_cache(), [1], _kv_cache(), method="lmcache"),
                      "method 'lmcache' cannot run here: LMCache's multi_layer_kv_transfer moves"),
     "meta": (lambda: Transfer(allocate("LBHNC", KV, 4, "meta"), [1], _kv_cache()),
@@ -517,3 +537,35 @@ def test_async_copy_needs_pinned_buffer():
     with pytest.raises(ValueError, match="needs a pinned host buffer"):
         Transfer(cache, [0, 1], host_buffer(cache, 2, pin_memory=False), blocking=False)
     Transfer(cache, [0, 1], host_buffer(cache, 2), blocking=False).run().wait()
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 7])
+def test_batch_copy_splits_bytes_over_threads(threads):
+    """kvlab's C batch copy: runs of uneven lengths (a thread's share starts and ends inside
+    runs) land exactly, on any number of threads, and nothing outside them is written."""
+    from kvlab.transfer.methods.memcpy import copy_addresses
+
+    generator = torch.Generator().manual_seed(threads)
+    lengths = torch.randint(1, 300_000, (23,), generator=generator)
+    src = torch.randint(0, 256, (int(lengths.sum()),), dtype=torch.uint8, generator=generator)
+    dst = torch.zeros(int(lengths.sum()) + 23 * 8, dtype=torch.uint8)
+    src_at = torch.cumsum(lengths, 0) - lengths
+    dst_at = src_at + 8 * torch.arange(23)  # an 8-byte gap after every run
+    order = torch.randperm(23, generator=generator)  # runs in any order
+    copy_addresses(src.data_ptr() + src_at[order], dst.data_ptr() + dst_at[order], lengths[order].contiguous(), threads)
+    for i in range(23):
+        a, n, d = int(src_at[i]), int(lengths[i]), int(dst_at[i])
+        assert torch.equal(dst[d:d + n], src[a:a + n]) and not dst[d + n:d + n + 8].any()
+
+
+def test_batch_copy_without_a_compiler_says_why(monkeypatch, tmp_path):
+    from kvlab.transfer.methods import memcpy
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    memcpy.native_library.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="method 'memcpy' cannot run here: building kvlab's batch copy"):
+            Transfer(_kv_cache(), [1], _kv_cache(), method="memcpy")
+    finally:
+        memcpy.native_library.cache_clear()

@@ -10,15 +10,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvlab.cache.allocation import KVCache
-from kvlab.transfer.common import device_of, run_spread, widest_int_views
+from kvlab.transfer.common import SPLIT_BYTES, device_of, run_spread, widest_int_views
 from kvlab.transfer.registry import CopyMethod, register
 from kvlab.transfer.views import index_pairs, staged
 
 if TYPE_CHECKING:
     from kvlab.transfer.engine import Transfer
-
-# Copies at least this big are split over the CPU's threads when they are one indexed op.
-SPLIT_BYTES = 8 << 20
 
 
 def copy_gather(t: Transfer) -> None:

@@ -1,0 +1,85 @@
+"""``memcpy``: every run of the plan in one call into kvlab's C batch copy
+(``kvlab/transfer/native/copy_runs.c``), which splits the bytes evenly over the CPU's copy
+threads: no per-run Python, no indexed kernel, the GIL released throughout. Host memory
+only; the C file is compiled on first use with the machine's C compiler and cached."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvlab.cache.allocation import KVCache
+from kvlab.transfer.common import accelerator
+from kvlab.transfer.registry import CopyMethod, register
+
+if TYPE_CHECKING:
+    from kvlab.transfer.engine import Transfer
+
+SOURCE = Path(__file__).resolve().parent.parent / "native" / "copy_runs.c"
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvlab"
+
+
+@functools.cache
+def native_library() -> ctypes.CDLL | str:
+    """The compiled batch copy, or why there is none (no C compiler, a failed build)."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not compiler:
+        return "no C compiler on PATH to build kvlab's batch copy (install gcc, or set CC)"
+    source = SOURCE.read_bytes()
+    built = _cache_dir() / f"copy_runs-{hashlib.sha256(source).hexdigest()[:12]}.so"
+    if not built.exists():
+        built.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=built.parent) as scratch:  # then renamed: processes may race
+            out = Path(scratch) / built.name
+            try:
+                done = subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-pthread", str(SOURCE), "-o", str(out)],
+                                      capture_output=True, text=True)
+            except OSError as error:
+                return f"building kvlab's batch copy with {compiler} failed: {error}"
+            if done.returncode:
+                return f"building kvlab's batch copy with {compiler} failed: {done.stderr.strip()[-300:]}"
+            os.replace(out, built)
+    library = ctypes.CDLL(str(built))
+    library.kvlab_copy_runs.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int]
+    library.kvlab_copy_runs.restype = ctypes.c_int
+    return library
+
+
+def copy_addresses(src: torch.Tensor, dst: torch.Tensor, length: torch.Tensor, threads: int | None = None) -> None:
+    """Copy ``length[i]`` bytes from host address ``src[i]`` to ``dst[i]`` (contiguous int64
+    tensors) for every i, in one call on ``threads`` threads (torch's count by default)."""
+    status = native_library().kvlab_copy_runs(src.data_ptr(), dst.data_ptr(), length.data_ptr(), length.numel(),
+                                              threads or torch.get_num_threads())
+    if status:
+        raise RuntimeError("kvlab's batch copy could not start its threads (the copy finished on one)")
+
+
+def copy_memcpy(t: Transfer) -> None:
+    if not t.plan.segments:
+        return
+    key = ("memcpy", *(x.data_ptr() for x in t.src.storage + t.dst.storage))
+    if key not in t._pairs:  # the run table, made once per pair of storages
+        t._pairs = {key: [c.contiguous() for c in (*t.plan.addresses(t.src.storage, t.dst.storage), t.plan.length)]}
+    copy_addresses(*t._pairs[key])
+
+
+def unavailable(src: KVCache, dst: KVCache) -> str | None:
+    if accelerator(src, dst) != "cpu":
+        return f"kvlab's batch copy moves host memory; a {accelerator(src, dst)} device has its own copy engines"
+    library = native_library()
+    return library if isinstance(library, str) else None
+
+
+register(CopyMethod("memcpy", copy_memcpy, colour="#e377c2", unavailable=unavailable, rank=15))

@@ -1,0 +1,60 @@
+"""scripts/device-check: its CPU dry run passes end to end (so the script cannot rot on
+machines without a GPU), and its summary counts and ranks what it is given."""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kvlab.experiments import bench
+from kvlab.experiments.device_check import headline, summarize, junit_counts
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_dry_run_on_the_cpu(tmp_path):
+    """DEVICE=cpu: the device suite runs on the CPU, every method is measured or says why
+    not, the layerwise steps run, and the summary says ok."""
+    done = subprocess.run([str(ROOT / "scripts" / "device-check")], env={**os.environ, "DEVICE": "cpu", "OUT": str(tmp_path)},
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((tmp_path / "device-check-summary.json").read_text())
+    assert summary["ok"] and set(summary["steps"]) == {"tests", "bench", "layerwise", "attention"}
+    assert summary["tests"]["passed"] > 100 and summary["tests"]["failed"] == summary["tests"]["errors"] == 0
+    assert summary["fingerprint"]["device"] == "cpu"
+    assert any("dma: unavailable" in line for line in summary["rows"]["unavailable"])
+    assert {h["direction"] for h in summary["headline"]} == {"offload", "load"}
+    assert summary["attention_layerwise"] and len(list(tmp_path.iterdir())) <= 8  # what the device tool brings back
+
+
+def _row(method, layout, direction, ratio, cross=False, **extra):
+    return {"record": "row", "status": "ok", "block_ids": "scattered", "target": "host", "model": "m", "tokens": 256,
+            "direction": direction, "method": method, "layout": layout, "cross_layer": cross, "ratio": ratio,
+            "gbps": 10 * ratio, "ceiling_gbps": 10.0, "segments": 4, **extra}
+
+
+def test_headline_ranks_per_layer_against_cross_layer():
+    rows = [_row("gather", "LBHNC", "load", 0.7), _row("segments", "LHBNC", "load", 0.4),
+            _row("gather", "BLHNC", "load", 0.9, cross=True), _row("dma", "BLHNC", "load", 0.95, cross=True),
+            _row("gather", "LBHNC", "offload", 0.8), {"status": "unavailable: no", "method": "triton"}]
+    load, offload = headline(rows)
+    assert (load["direction"], load["per_layer"]["method"], load["cross_layer"]["method"]) == ("load", "gather", "dma")
+    assert load["methods"] == {"gather": 0.9, "segments": 0.4, "dma": 0.95}
+    assert "cross_layer" not in offload
+
+
+def test_summary_of_an_empty_folder_is_not_ok(tmp_path):
+    """No tests ran and a step failed: the summary says so, and counts nothing."""
+    summary = summarize(tmp_path, {"tests": {"rc": 124, "seconds": 150}})
+    assert not summary["ok"] and junit_counts(tmp_path / "missing.xml")["passed"] == 0
+    assert (tmp_path / "device-check-summary.json").exists()
+
+
+def test_ratio_spread_flags_noise():
+    steady = bench.ratio_spread([1.0] * 5, [0.9] * 5)
+    assert steady["ratio"] == pytest.approx(0.9) and not steady["noisy"]
+    assert bench.ratio_spread([1.0] * 5, [1.2] * 5)["noisy"]  # faster than one contiguous copy
+    assert bench.ratio_spread([1.0, 1.0, 1.0, 1.0], [0.5, 0.9, 0.5, 0.9])["noisy"]  # quartiles far apart
