@@ -58,3 +58,6 @@ def test_ratio_spread_flags_noise():
     assert steady["ratio"] == pytest.approx(0.9) and not steady["noisy"]
     assert bench.ratio_spread([1.0] * 5, [1.2] * 5)["noisy"]  # faster than one contiguous copy
     assert bench.ratio_spread([1.0, 1.0, 1.0, 1.0], [0.5, 0.9, 0.5, 0.9])["noisy"]  # quartiles far apart
+    # beating torch's copy is no noise where the memory bound (the native copy) is not beaten
+    assert not bench.ratio_spread([1.0] * 5, [1.2] * 5, bound=0.97)["noisy"]
+    assert bench.ratio_spread([1.0] * 5, [1.0] * 5, bound=1.3)["noisy"]
