@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from kvlab.cache.devices import can_pin_memory, check_fits, resolve_device
-from kvlab.cache.geometry import ModelGeometry
+from kvlab.cache.geometry import ModelGeometry, dtype_name
 from kvlab.cache.layouts import LAYOUTS, Layout, check_compatible, compatible_layouts, get_layout
 
 
@@ -124,6 +124,14 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.storage)
+
+    def __repr__(self) -> str:
+        """A line, not the tensors: what, where, how big."""
+        t = self.storage[0]
+        pinned = ", pinned" if t.device.type == "cpu" and t.is_pinned() else ""
+        return (f"KVCache({self.layout.name}, {self.geometry.name}, {self.num_blocks} blocks, "
+                f"{len(self.storage)} tensor{'s' * (len(self.storage) != 1)}, {self.nbytes / 2**20:,.1f} MiB "
+                f"{dtype_name(self.geometry.dtype)} on {t.device}{pinned})")
 
 
 def layer_name(index: int) -> str:

@@ -146,6 +146,12 @@ class Transfer:
         if problem:
             raise ValueError(f"method {self.method!r} cannot run here: {problem}")
 
+    def __repr__(self) -> str:
+        """A line, not the caches' tensors."""
+        layers = "" if self.layers is None else f", layers {list(self.layers)}"
+        return (f"Transfer({self.method}: {len(self.src_blocks)} blocks{layers}, {self.nbytes / 2**20:,.1f} MiB, "
+                f"{self.src!r} -> {self.dst!r})")
+
     @functools.cached_property
     def plan(self) -> CopyPlan:
         return copy_plan(self.src, self.src_blocks, self.dst, self.dst_blocks, self.layers)

@@ -8,7 +8,6 @@ scripts/device-check runs this file on the GPU, and its CPU dry run (``DEVICE=cp
 it here, so the tests themselves cannot rot on machines without a GPU.
 """
 
-import dataclasses
 import os
 
 import pytest
@@ -33,14 +32,25 @@ def _usable() -> bool:
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not _usable(), reason=f"no {DEVICE} device here")]
 
 
+def moved(cache, device):
+    """A cache allocated on ``device`` (its storage and its layer views there) holding
+    ``cache``'s bytes."""
+    out = allocate(cache.layout, cache.geometry, cache.num_blocks, device)
+    for a, b in zip(out.storage, cache.storage):
+        a.copy_(b)
+    views = [t for v in out.layers.values() for t in (v if isinstance(v, tuple) else (v,))]
+    assert all(t.device == out.storage[0].device for t in views), "layer views must live with the storage"
+    return out
+
+
 def on_device(cache):
     """The cache's bytes on DEVICE (random bits made on the host: the same on every device)."""
-    return dataclasses.replace(cache, storage=[t.to(DEVICE) for t in cache.storage])
+    return moved(cache, DEVICE)
 
 
 def on_host(cache):
     """A host copy of a cache, for the bitwise checks."""
-    return dataclasses.replace(cache, storage=[t.cpu() for t in cache.storage])
+    return moved(cache, "cpu")
 
 
 def skip_unless_runs(method, src, dst):

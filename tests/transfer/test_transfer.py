@@ -569,3 +569,10 @@ def test_batch_copy_without_a_compiler_says_why(monkeypatch, tmp_path):
             Transfer(_kv_cache(), [1], _kv_cache(), method="memcpy")
     finally:
         memcpy.native_library.cache_clear()
+
+
+def test_transfer_prints_a_line_not_tensors():
+    cache = random_bits(_kv_cache(num_blocks=8))
+    text = repr(Transfer(cache, [5, 1], host_buffer(cache, 2)))
+    assert "tensor(" not in text and len(text) < 300
+    assert text.startswith("Transfer(gather: 2 blocks") and "KVCache(LBHNC, kv, 8 blocks" in text
