@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import sys
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -29,9 +32,16 @@ def run_notebooks(quick: bool = False, only: Sequence[str] | None = None, out: s
 
     out = Path(out).resolve()
     executed = []
-    for path in notebook_paths(only):
+    paths = notebook_paths(only)
+    began = time.perf_counter()
+    for number, path in enumerate(paths, 1):
         target = out / "notebooks" / path.name
         target.parent.mkdir(parents=True, exist_ok=True)
+        last = last_duration(target, quick=quick, measure=measure)
+        estimate = f"; it took {last / 60:.1f} min last time here" if last is not None else ""
+        print(f"kvlab: notebook {number}/{len(paths)} {path.stem} ({'quick' if quick else 'full'}"
+              f"{'' if measure else ', from the committed results'}{estimate})", file=sys.stderr, flush=True)
+        started = time.perf_counter()
         papermill.execute_notebook(
             str(path),
             str(target),
@@ -47,4 +57,18 @@ def run_notebooks(quick: bool = False, only: Sequence[str] | None = None, out: s
             progress_bar=True,
         )
         executed.append(target)
+        print(f"kvlab: {path.stem} done in {(time.perf_counter() - started) / 60:.1f} min "
+              f"({(time.perf_counter() - began) / 60:.1f} min so far)", file=sys.stderr, flush=True)
     return executed
+
+
+def last_duration(executed: Path, quick: bool, measure: bool) -> float | None:
+    """Seconds the last run of an executed notebook took, when it ran the same way (quick
+    or full, measuring or redrawing); None when there is no such run."""
+    try:
+        meta = json.loads(executed.read_text())["metadata"]["papermill"]
+        parameters = meta["parameters"]
+        same = parameters.get("quick") == quick and parameters.get("measure", True) == measure
+        return float(meta["duration"]) if same and meta.get("duration") else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
