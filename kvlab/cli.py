@@ -91,7 +91,8 @@ def run_bench(args: argparse.Namespace) -> None:
     unknown = [m for m in profile["methods"] if m not in ALL_METHODS]
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; choose from {list(ALL_METHODS)}")
-    out = None if args.no_save else args.out or default_results_path("02_transfer", args.device, args.results_dir)
+    stem = "02_ceiling" if args.profile == "ceiling" else "02_transfer"  # notebook 02 reads each its own way
+    out = None if args.no_save else args.out or default_results_path(stem, args.device, args.results_dir)
     configs = bench.configs(profile, dtype=args.dtype, block_size=args.block_size)
     repeats = profile["repeats"] if args.repeats is None else args.repeats
     if args.runs < 1:
