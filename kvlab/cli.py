@@ -1,4 +1,4 @@
-"""Command line: ``python -m kvlab layout|bench|layerwise|notebooks|models|lmeval ...``.
+"""Command line: ``python -m kvlab layout|bench|layerwise|notebooks|report|lab|models|lmeval ...``.
 
 Imports torch only at start-up (matplotlib where a report needs it), so ``bench`` runs on
 a bare GPU machine."""
@@ -11,11 +11,11 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from kvlab.cache.devices import resolve_device
 from kvlab.cache.geometry import resolve_model
 from kvlab.cache.layouts import LAYOUTS, get_layout
 from kvlab.cache.segments import transfer_cost
 from kvlab.results import default_results_path
+from kvlab.runtime.notebooks import PROFILES
 from kvlab.transfer.registry import ALL_METHODS
 
 
@@ -63,6 +63,17 @@ def print_report(report: dict) -> None:
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
+
+
+def _positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1, else argparse's usage error naming the option."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
 
 
 def _csv(text: str | None, kind: type = str) -> list | None:
@@ -126,19 +137,17 @@ def run_layerwise(args: argparse.Namespace) -> None:
 
 def run_attention_layerwise(args: argparse.Namespace) -> None:
     from kvlab.experiments import bench
-    from kvlab.results import append_results, start_run
 
     out = None if args.no_save else args.out or default_results_path("02_attention", args.device, args.results_dir)
-    run = start_run(resolve_device(args.device), out)
-    for model in _csv(args.model):
-        for tokens in _csv(args.tokens, int):
-            row = {"run_id": run["run_id"], **bench.attention_pipeline(
-                resolve_model(model), tokens, args.new_tokens, args.device, args.repeats)}
-            append_results(out, [row])
-            print(f"{model:40s} {tokens:6d} + {args.new_tokens} tokens  load {row['load_s'] * 1e3:8.2f} ms  "
-                  f"attention {row['compute_s'] * 1e3:8.2f} ms  sequential {row['sequential_s'] * 1e3:8.2f} ms  "
-                  f"layerwise {row['layerwise_s'] * 1e3:8.2f} ms  speedup {row['speedup']:.2f} "
-                  f"(ideal {row['ideal_speedup']:.2f})")
+    rows = bench.run_attention_sweep(_csv(args.model), _csv(args.tokens, int), args.new_tokens, args.device,
+                                     args.repeats, out=out)
+    for row in rows:
+        print(f"{row['model']:40s} {row['prefix_tokens']:6d} + {row['new_tokens']} tokens  "
+              f"load {row['load_s'] * 1e3:8.2f} ms  attention {row['compute_s'] * 1e3:8.2f} ms  "
+              f"sequential {row['sequential_s'] * 1e3:8.2f} ms  layerwise {row['layerwise_s'] * 1e3:8.2f} ms  "
+              f"speedup {row['speedup']:.2f} (ideal {row['ideal_speedup']:.2f})")
+    if out:
+        print(f"appended {len(rows)} rows to {out}")
 
 
 def run_device_summary(args: argparse.Namespace) -> int:
@@ -195,6 +204,26 @@ def run_lmeval(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_lab(args: argparse.Namespace, jupyter_args: Sequence[str]) -> int:
+    """JupyterLab on the notebooks until Ctrl-C (or until it is shut down from its File
+    menu); prints the URL to open, token included, and where its log goes."""
+    from kvlab.runtime.lab import JupyterLab, LabError
+    from kvlab.runtime.notebooks import NOTEBOOKS_DIR
+
+    lab = JupyterLab(args.notebooks_dir or NOTEBOOKS_DIR, port=args.port, token=args.token,
+                     open_browser=not args.no_browser, extra_args=jupyter_args)
+    try:
+        with lab:
+            print(f"JupyterLab on {lab.notebooks_dir}: open {lab.lab_url()}\n"
+                  f"its log: {lab.log_path}; Ctrl-C stops it", flush=True)
+            return lab.process.wait()
+    except KeyboardInterrupt:  # stopped on the way out of the with block
+        return 0
+    except LabError as exc:
+        print(f"kvlab: error: {exc}", file=sys.stderr)
+        return 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvlab", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -212,14 +241,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     lay.add_argument("--list", action="store_true", help="list the layouts and exit")
 
     nb = sub.add_parser("notebooks", help="execute the notebooks headless, writing data/")
-    nb.add_argument("--quick", action="store_true", help="small sizes, as the tests run them")
+    nb.add_argument("--profile", choices=PROFILES, default="standard",
+                    help="standard: minutes, the slowest engine sweeps drawn from the committed paper results; "
+                         "paper: every sweep in full (over an hour on 2 cores); quick: as the tests run them")
     nb.add_argument("--only", nargs="*", default=None, help="notebook names (default: all)")
     nb.add_argument("--out", default="data", help="where figures and executed notebooks go")
     nb.add_argument("--from-results", action="store_true",
                     help="measure nothing: redraw every figure from the committed results")
 
+    rep = sub.add_parser("report", help="rebuild data/report/index.html from the executed notebooks")
+    rep.add_argument("--notebooks-dir", default="data/notebooks", help="the executed notebooks")
+    rep.add_argument("--out", default="data/report", help="where index.html goes")
+
     bench = sub.add_parser("bench", help="time offload and load against this machine's copy ceiling")
-    bench.add_argument("--profile", choices=["quick", "full", "gpu", "ceiling", "dry"], default=None,
+    bench.add_argument("--profile", choices=["quick", "standard", "full", "gpu", "ceiling", "dry"], default=None,
                        help="a preset sweep (default: full's methods and layouts for the models given)")
     bench.add_argument("--quick", action="store_true", help="the quick profile: under a minute on a small CPU")
     bench.add_argument("--model", default=None, help="comma-separated presets or model folders")
@@ -244,7 +279,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     lw.add_argument("--compute", choices=["matmul", "attention"], default="matmul",
                     help="matmul: a stand-in tuned to each intensity; attention: kvlab's tiny attention stack over "
                          "the loaded prefix, through the hooks (rows go to 02_attention-<hardware>.jsonl)")
-    lw.add_argument("--new-tokens", type=int, default=128, help="with --compute attention: tokens computed over the prefix")
+    lw.add_argument("--new-tokens", type=_positive_int, default=128,
+                    help="with --compute attention: tokens computed over the prefix")
     lw.add_argument("--out", default=None, help="JSONL file (default data/results/02_layerwise-<hardware>.jsonl)")
     lw.add_argument("--results-dir", default=None, help="where the default-named JSONL goes (default data/results)")
     lw.add_argument("--no-save", action="store_true")
@@ -274,7 +310,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary.add_argument("--step", action="append", default=[], metavar="NAME=RC:SECONDS",
                          help="how a step of the script ended (repeatable)")
 
-    args = parser.parse_args(argv)
+    lab = sub.add_parser("lab", help="JupyterLab on the notebooks, on 127.0.0.1 (other options go to jupyter lab)",
+                         description="JupyterLab on the notebooks, on 127.0.0.1, as root too. Options not listed here "
+                                     "go to jupyter lab as they are, e.g. --ServerApp.shutdown_no_activity_timeout=3600.")
+    lab.add_argument("--port", type=int, default=None, help="default: a free one")
+    lab.add_argument("--token", default=None, help="default: a random one, printed in the URL; '' turns the login off")
+    lab.add_argument("--no-browser", action="store_true", help="do not open the desktop's browser")
+    lab.add_argument("--notebooks-dir", default=None, help="default: the repository's notebooks/")
+
+    args, jupyter_args = parser.parse_known_args(argv)
+    if jupyter_args and args.command != "lab":
+        parser.error(f"unrecognized arguments: {' '.join(jupyter_args)}")
     try:
         if args.command == "layout":
             if args.list:
@@ -296,10 +342,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_lmeval(args)
         elif args.command == "device-summary":
             return run_device_summary(args)
+        elif args.command == "report":
+            from kvlab.plotting.report import write_report
+
+            write_report(args.notebooks_dir, args.out)
+        elif args.command == "lab":
+            return run_lab(args, jupyter_args)
         else:
             from kvlab.runtime.notebooks import run_notebooks
 
-            run_notebooks(quick=args.quick, only=args.only, out=args.out, measure=not args.from_results)
+            from kvlab.plotting.report import write_report
+
+            run_notebooks(profile=args.profile, only=args.only, out=args.out, measure=not args.from_results)
+            write_report(Path(args.out) / "notebooks", Path(args.out) / "report")
     # what a user's input or machine causes (a bad value, a missing or unwritable file, a
     # missing package), each with its own message; anything else is a bug: a traceback
     except (ValueError, OSError, OverflowError, ModuleNotFoundError) as exc:

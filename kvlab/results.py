@@ -17,6 +17,16 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from kvlab.cache.devices import memory_bytes, resolve_device
+from kvlab.runtime.notebooks import check_profile
+
+# A run record names the profile it ran under (KVLAB_PROFILE, see use_profile).
+UNRECORDED_PROFILE = "paper"  # runs recorded before profiles existed were the full sweeps
+
+
+def use_profile(profile: str) -> str:
+    """Check ``profile`` and make it the one this process's run records carry."""
+    os.environ["KVLAB_PROFILE"] = check_profile(profile)
+    return profile
 
 
 def _cpu_model() -> str:
@@ -71,6 +81,7 @@ def fingerprint(device: str | torch.device = "auto") -> dict[str, Any]:
         "lmcache": _version("lmcache"),
         "triton": _version("triton"),
         "git_commit": _git_commit(),
+        "profile": os.environ.get("KVLAB_PROFILE"),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
@@ -139,11 +150,11 @@ def load_results(paths: Iterable[str | Path], latest: bool = True) -> list[dict[
         for row in file_rows:
             run = runs.get(row.get("run_id"), {})
             rows.append({**row, "hardware": run.get("hardware"), "run_date": run.get("date"),
-                         "source": path.name})
+                         "profile": run.get("profile") or UNRECORDED_PROFILE, "source": path.name})
     return rows
 
 
-def _slug(text: str) -> str:
+def slug(text: str) -> str:
     keep = "".join(c if c.isalnum() else "-" for c in text.lower())
     return "-".join(part for part in keep.split("-") if part)[:60]
 
@@ -159,7 +170,7 @@ def default_results_path(stem: str, device: str | torch.device = "auto", results
     (else the working directory's): one file per machine, appended run after run."""
     device = resolve_device(device)
     results_dir = committed_results_dir() if results_dir is None else results_dir
-    return Path(results_dir) / f"{stem}-{_slug(device.type + ' ' + device_name(device))}.jsonl"
+    return Path(results_dir) / f"{stem}-{slug(device.type + ' ' + device_name(device))}.jsonl"
 
 
 def results_for(stem: str, results_dir: str | Path, device: str | torch.device = "auto") -> list[dict[str, Any]]:

@@ -113,7 +113,7 @@ def forbid(monkeypatch, module, *names: str) -> None:
 
 @pytest.fixture
 def no_measuring(monkeypatch):
-    forbid(monkeypatch, bench, "measure", "pipeline_timing")
+    forbid(monkeypatch, bench, "measure", "pipeline_timing", "attention_pipeline")
 
 
 @pytest.mark.parametrize(
@@ -123,6 +123,9 @@ def no_measuring(monkeypatch):
         (["layerwise", "--out", "/dev/full"], "cannot write results to /dev/full: No space left on device"),
         (["bench", "--no-save", "--model", "smollm2-135m", "--tokens", "100000000"], "GiB of memory this machine's"),
         (["layerwise", "--no-save", "--tokens", "100000000"], "GiB of memory this machine's"),
+        (["layerwise", "--compute", "attention", "--out", "/dev/full"], "cannot write results to /dev/full"),
+        (["layerwise", "--compute", "attention", "--no-save", "--tokens", "64,100000000"], "GiB of memory this machine's"),
+        (["layerwise", "--compute", "attention", "--no-save", "--tokens", "0"], "prefix_tokens must be a positive integer"),
         (["bench", "--no-save", "--model", "smollm2-135m", "--layouts", "mla_v0.12"],
          "layout mla_v0.12 is for MLA caches, but HuggingFaceTB/SmolLM2-135M-Instruct has separate K and V"),
         (["bench", "--no-save", "--model", "deepseek-v2-lite", "--layouts", "LBHNC,flash_attn_v0.12"],
@@ -136,6 +139,16 @@ def test_bench_refuses_before_measuring(capsys, no_measuring, argv, message):
         pytest.skip("no /dev/full here")
     code, _, err = run(capsys, *argv)
     assert code == 2 and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "x"])
+def test_layerwise_refuses_new_tokens_below_one(capsys, no_measuring, value):
+    """argparse's usage error names the option, before any model is looked up."""
+    with pytest.raises(SystemExit) as exited:
+        main(["layerwise", "--compute", "attention", "--no-save", "--new-tokens", value])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "argument --new-tokens: expected an integer >= 1" in err
+    assert "Traceback" not in err
 
 
 def test_results_file_in_a_file(capsys, no_measuring, tmp_path):

@@ -10,7 +10,8 @@ work, as does everything in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 
 No fault of a tier or of a copy reaches a request: a failed save is logged and counted,
 a failed load is reported to vLLM (``get_block_ids_with_load_errors``), which recomputes
-those blocks with ``kv_load_failure_policy="recompute"``."""
+those blocks with ``kv_load_failure_policy="recompute"``. The counters reach vLLM's own log
+line and ``/metrics`` through ``get_kv_connector_stats`` (kvlab.connector.metrics)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from kvlab.cache.layouts import LAYOUTS, VLLM_V29_LAYOUTS, Holds, compatible_lay
 from kvlab.connector.config import CROSS_LAYER_LAYOUT, ConnectorConfig
 from kvlab.connector.geometry import engine_geometry, on_cpu
 from kvlab.connector.messages import KVLabMetadata, KVLabWorkerMeta
+from kvlab.connector.metrics import SCHEDULER_COUNTERS, WORKER_COUNTERS, CounterDeltas, KVLabPromMetrics, KVLabStats
 from kvlab.connector.scheduler import SchedulerSide
 from kvlab.connector.stores import ConnectorStats, shared
 from kvlab.connector.worker import WorkerSide
@@ -32,6 +34,7 @@ from kvlab.store.store import KVStore
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -61,6 +64,8 @@ class KVLabConnector(KVConnectorBase_V1):
         log_with_vllm()
         self.config = ConnectorConfig.parse(self._kv_transfer_config.kv_connector_extra_config)
         self._stats = shared(self.config).stats
+        self._deltas = CounterDeltas(self._stats, SCHEDULER_COUNTERS if role == KVConnectorRole.SCHEDULER
+                                     else WORKER_COUNTERS)
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -99,13 +104,10 @@ class KVLabConnector(KVConnectorBase_V1):
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         """vLLM >= 0.29: ask for a block-major layout when cross-layer blocks are enabled
-        and the platform's attention can use it (not CPU_ATTN, which supports LBHNC only)."""
+        and the platform's attention can use it (not CPU_ATTN, which supports LBHNC only).
+        Each worker's registration line says what became of the request, and why."""
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config if vllm_config.kv_transfer_config else {}
-        if not ConnectorConfig.parse(extra).enable_cross_layers_blocks:
-            return None
-        if on_cpu():
-            logger.warning("KVLabConnector: enable_cross_layers_blocks is ignored on CPU (CPU_ATTN supports "
-                           "only LBHNC); falling back to per-layer blocks")
+        if not ConnectorConfig.parse(extra).enable_cross_layers_blocks or on_cpu():
             return None
         return CROSS_LAYER_LAYOUT
 
@@ -113,6 +115,22 @@ class KVLabConnector(KVConnectorBase_V1):
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         """Layerwise loads run between attention layers, outside CUDA graphs."""
         return bool((extra_config or {}).get("layerwise", False))
+
+    # ---- stats, both sides ---------------------------------------------------------------
+    def get_kv_connector_stats(self) -> KVLabStats | None:
+        """This side's counts since its last report (None when nothing changed): vLLM asks
+        each worker after every step and the scheduler in its update, sums them and hands
+        them to its loggers."""
+        return self._deltas.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVLabStats:
+        return KVLabStats(dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> KVLabPromMetrics:
+        return KVLabPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ---- worker side -------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 from kvlab.cache.allocation import KVCache, allocate
 from kvlab.cache.geometry import ModelGeometry
 from kvlab.connector.config import ConnectorConfig
+from kvlab.connector.geometry import on_cpu
 from kvlab.connector.messages import KVLabMetadata, KVLabWorkerMeta, LoadSpec, SaveSpec
 from kvlab.connector.stores import ConnectorStats, worker_store
 from kvlab.store.chunk import Chunk
@@ -55,6 +56,16 @@ def tensor_parallel_rank() -> tuple[int, int]:
         return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
     except (AssertionError, ImportError):
         return 0, 1
+
+
+def cross_layer_decision(asked: bool, cache: KVCache) -> str:
+    """What became of ``enable_cross_layers_blocks``, and why, for the registration line."""
+    if not asked:
+        return "cross-layer blocks not asked for"
+    if cache.layout.is_cross_layer:
+        return "cross-layer blocks asked for and granted"
+    why = "CPU_ATTN supports LBHNC only" if on_cpu() else f"vLLM handed over per-layer {cache.layout.name}"
+    return f"cross-layer blocks asked for, not granted ({why})"
 
 
 class WorkerSide:
@@ -90,13 +101,10 @@ class WorkerSide:
         self._layer_index = {name: i for i, name in enumerate(cache.layers)}
         self.signature = signature(cache)
         self.stats.layout = cache.layout.name
-        if self.config.enable_cross_layers_blocks and not cache.layout.is_cross_layer:
-            logger.warning("KVLabConnector: cross-layer blocks were asked for but vLLM handed over %s "
-                           "(per-layer); moving per-layer segments", cache.layout.name)
-        logger.info("KVLabConnector: rank %d of %d registered a %s cache of %d blocks of %d tokens (%s); tiers %s",
+        logger.info("KVLabConnector: rank %d of %d registered a %s cache of %d blocks of %d tokens (%s); tiers %s; %s",
                     self.rank, self.workers, cache.layout.name, cache.num_blocks, cache.geometry.block_size,
                     "one segment per block" if cache.layout.is_cross_layer else "per-layer segments",
-                    list(self.config.tier_names))
+                    list(self.config.tier_names), cross_layer_decision(self.config.enable_cross_layers_blocks, cache))
 
     # ---- loads -------------------------------------------------------------------------
     def start_load_kv(self, meta: KVLabMetadata) -> None:

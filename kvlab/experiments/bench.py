@@ -259,7 +259,12 @@ PROFILES: dict[str, dict[str, Any]] = {
     # quartiles readable
     "quick": {"models": ["llama-3.1-8b"], "tokens": [256, 1024], "layouts": ["LBHNC", "BLHNC"],
               "methods": ["segments", "gather", "compiled"], "repeats": 9, "chunks": False},
-    # the main job on a CPU machine (notebook 02, full mode): a few minutes on 2 cores
+    # notebook 02 in make run's standard profile: every layout and method, a dense model and
+    # MLA, 256 and 1024 tokens; under a minute on 2 cores
+    "standard": {"models": ["llama-3.1-8b", "deepseek-v2-lite"], "tokens": [256],
+                 "layouts": ["LBHNC", "LHBNC", "BLHNC", "ascend_kv_tuple"], "methods": ALL_METHODS, "repeats": 5,
+                 "chunks": True, "extra_tokens": [1024]},
+    # the main job on a CPU machine (notebook 02, the paper profile): several minutes on 2 cores
     "full": {"models": ["llama-3.1-8b", "qwen3-8b", "qwen3-30b-a3b", "deepseek-r1-distill-qwen-1.5b",
                         "smollm2-135m", "deepseek-v2-lite"],
              "tokens": [256], "layouts": ["LBHNC", "LHBNC", "BLHNC", "ascend_kv_tuple"],
@@ -373,9 +378,13 @@ def format_targets(targets: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _check_positive_int(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
 def _check_repeats(repeats: int) -> None:
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
+    _check_positive_int("repeats", repeats)
 
 
 def _stand_in_compute(tokens: int, hidden: int, device: torch.device):
@@ -399,8 +408,7 @@ def _check_pipeline(geometry: ModelGeometry, tokens: int, intensities: Sequence[
                     repeats: int) -> None:
     """Refuse what pipeline_timing could only fail at (or hang in) after measuring began."""
     _check_repeats(repeats)
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
-        raise ValueError(f"tokens must be a positive integer, got {tokens!r}")
+    _check_positive_int("tokens", tokens)
     if not intensities or not all(math.isfinite(i) and i > 0 for i in intensities):
         raise ValueError(f"intensities must be finite compute/load ratios > 0, got {list(intensities)}")
     blocks = -(-tokens // geometry.block_size)
@@ -440,8 +448,7 @@ def pipeline_timing(geometry: ModelGeometry, tokens: int, intensities: Sequence[
     for intensity in intensities:
         times = max(0, round(intensity * per_layer_load / one_matmul))
 
-        def sequential() -> None:
-            whole.run()
+        def compute_all() -> None:
             for _ in range(geometry.num_layers):
                 compute(times)
 
@@ -452,27 +459,50 @@ def pipeline_timing(geometry: ModelGeometry, tokens: int, intensities: Sequence[
                 compute(times)
             layerwise.finish()
 
-        def compute_only() -> None:
-            for _ in range(geometry.num_layers):
-                compute(times)
-
-        # all four timed in turn within each repeat, so they see the same machine
-        timed: dict[str, list[float]] = {"sequential": [], "layerwise": [], "compute": [], "load": []}
-        for _ in range(repeats):
-            for name, fn in (("sequential", sequential), ("layerwise", pipelined), ("compute", compute_only),
-                             ("load", whole.run)):
-                timed[name].append(clock(fn))
-        seq, pipe, compute_s, load_once = (statistics.median(timed[k]) for k in ("sequential", "layerwise", "compute", "load"))
-        overlapped = max(load_once, compute_s) + min(load_once, compute_s) / geometry.num_layers
+        # no warm-up: the load and the matmul already ran while the stand-in was chosen
+        timing = overlap_timing(whole.run, compute_all, pipelined, geometry.num_layers, clock, repeats, warmup=0)
         rows.append({
             "record": "row", "kind": "layerwise", "model": geometry.name, "num_layers": geometry.num_layers,
             "tokens": tokens, "method": method, "intensity": intensity, "matmuls_per_layer": times, "hidden": hidden,
-            "load_s": load_once, "compute_s": compute_s, "sequential_s": seq, "layerwise_s": pipe,
-            "speedup": seq / pipe,
-            # perfect overlap: the longer of load and compute, plus one layer of the shorter
-            "ideal_speedup": (load_once + compute_s) / overlapped,
-            "repeats": repeats, "status": "ok",
+            **timing, "repeats": repeats, "status": "ok",
         })
+    return rows
+
+
+def overlap_timing(load: Callable[[], Any], compute: Callable[[], Any], layerwise: Callable[[], Any], num_layers: int,
+                   clock: _Clock, repeats: int, warmup: int = 1) -> dict[str, float]:
+    """Load-then-compute (``load``, then ``compute`` over every layer) against ``layerwise``
+    (the same load overlapped layer by layer with the same compute), and each part alone,
+    all four timed in turn within each repeat so they see the same machine: the medians in
+    seconds, the speedup, and the ideal speedup of perfect overlap (the longer of load and
+    compute, plus one layer of the shorter)."""
+    def sequential() -> None:
+        load()
+        compute()
+
+    seq, pipe, compute_s, load_s = map(statistics.median, interleaved([sequential, layerwise, compute, load], clock,
+                                                                      repeats, warmup))
+    overlapped = max(load_s, compute_s) + min(load_s, compute_s) / num_layers
+    return {"load_s": load_s, "compute_s": compute_s, "sequential_s": seq, "layerwise_s": pipe, "speedup": seq / pipe,
+            "ideal_speedup": (load_s + compute_s) / overlapped}
+
+
+def _layerwise_sweep(models: Sequence[str], sizes: Sequence[int], device: torch.device, out: str | Path | None,
+                     check: Callable[[ModelGeometry, int], None],
+                     measure: Callable[[ModelGeometry, int], list[dict[str, Any]]], description: str) -> list[dict[str, Any]]:
+    """``measure(geometry, size)`` for every model and size, its rows tagged with the run
+    and appended to ``out`` as measured; ``check`` sees every pair first, so a size that
+    cannot be measured (too big for the memory, a bad argument) is refused before any is."""
+    geometries = {model: resolve_model(model) for model in models}
+    cases = [(geometries[model], size) for model in models for size in sizes]
+    for case in cases:
+        check(*case)
+    run = start_run(device, out)
+    rows = []
+    for case in _progress(cases, description):
+        measured = [{"run_id": run["run_id"], **row} for row in measure(*case)]
+        append_results(out, measured)
+        rows += measured
     return rows
 
 
@@ -480,18 +510,10 @@ def run_pipeline_sweep(models: Sequence[str], tokens: Sequence[int], intensities
                        device: str | torch.device = "auto", repeats: int = 5,
                        out: str | Path | None = None) -> list[dict[str, Any]]:
     device = resolve_device(device)
-    geometries = {model: resolve_model(model) for model in models}
-    for geometry in geometries.values():
-        for count in tokens:
-            _check_pipeline(geometry, count, intensities, device, repeats)
-    run = start_run(device, out)
-    rows = []
-    for model, count in _progress([(m, t) for m in models for t in tokens], "layerwise sweep"):
-        geometry = geometries[model]
-        measured = [{"run_id": run["run_id"], **row} for row in pipeline_timing(geometry, count, intensities, device, repeats)]
-        append_results(out, measured)
-        rows += measured
-    return rows
+    return _layerwise_sweep(models, tokens, device, out,
+                            lambda geometry, count: _check_pipeline(geometry, count, intensities, device, repeats),
+                            lambda geometry, count: pipeline_timing(geometry, count, intensities, device, repeats),
+                            "layerwise sweep")
 
 
 def format_rows(rows: Sequence[dict[str, Any]]) -> str:
@@ -522,7 +544,7 @@ def attention_pipeline(geometry: ModelGeometry, prefix_tokens: int, new_tokens: 
     from kvlab.hooks import LayerwiseOffloader, OffloadPlan, TinyAttentionStack
 
     device = resolve_device(device)
-    _check_pipeline(geometry, prefix_tokens + new_tokens, [1.0], device, repeats)
+    _check_attention(geometry, prefix_tokens, new_tokens, device, repeats)
     block_size = geometry.block_size
     prefix_blocks = -(-prefix_tokens // block_size)
     blocks = -(-(prefix_tokens + new_tokens) // block_size)
@@ -537,28 +559,34 @@ def attention_pipeline(geometry: ModelGeometry, prefix_tokens: int, new_tokens: 
     whole = Transfer(offloader.buffer, list(range(prefix_blocks)), cache, ids[:prefix_blocks], method)
     plan = OffloadPlan(load_blocks=ids[:prefix_blocks])
 
-    def sequential() -> None:
-        whole.run()
-        stack(new, cache, ids, start=prefix_tokens)
-
     def layerwise() -> None:
         with offloader.step(plan):
             stack(new, cache, ids, start=prefix_tokens, connector=offloader)
 
-    clock = _Clock(device, whole_device=True)
-    timed: dict[str, list[float]] = {"sequential": [], "layerwise": [], "compute": [], "load": []}
-    for name, fn in (("sequential", sequential), ("layerwise", layerwise)):  # warm-up
-        clock(fn)
-    for _ in range(repeats):
-        for name, fn in (("sequential", sequential), ("layerwise", layerwise),
-                         ("compute", lambda: stack(new, cache, ids, start=prefix_tokens)), ("load", whole.run)):
-            timed[name].append(clock(fn))
-    seq, pipe, compute_s, load_s = (statistics.median(timed[k]) for k in ("sequential", "layerwise", "compute", "load"))
-    overlapped = max(load_s, compute_s) + min(load_s, compute_s) / geometry.num_layers
+    timing = overlap_timing(whole.run, lambda: stack(new, cache, ids, start=prefix_tokens), layerwise,
+                            geometry.num_layers, _Clock(device, whole_device=True), repeats)
     return {
         "record": "row", "kind": "attention", "model": geometry.name, "num_layers": geometry.num_layers,
         "dtype": dtype_name(geometry.dtype), "layout": layout, "method": method, "prefix_tokens": prefix_tokens,
-        "new_tokens": new_tokens, "load_s": load_s, "compute_s": compute_s, "intensity": compute_s / load_s,
-        "sequential_s": seq, "layerwise_s": pipe, "speedup": seq / pipe, "ideal_speedup": (load_s + compute_s) / overlapped,
+        "new_tokens": new_tokens, **timing, "intensity": timing["compute_s"] / timing["load_s"],
         "repeats": repeats, "status": "ok",
     }
+
+
+def _check_attention(geometry: ModelGeometry, prefix_tokens: int, new_tokens: int, device: torch.device,
+                     repeats: int) -> None:
+    """Refuse what attention_pipeline could only fail at after measuring began."""
+    _check_positive_int("prefix_tokens", prefix_tokens)
+    _check_positive_int("new_tokens", new_tokens)
+    _check_pipeline(geometry, prefix_tokens + new_tokens, [1.0], device, repeats)
+
+
+def run_attention_sweep(models: Sequence[str], prefix_tokens: Sequence[int], new_tokens: int,
+                        device: str | torch.device = "auto", repeats: int = 5,
+                        out: str | Path | None = None) -> list[dict[str, Any]]:
+    """attention_pipeline for every model and prefix size (one run, rows appended to ``out``)."""
+    device = resolve_device(device)
+    return _layerwise_sweep(models, prefix_tokens, device, out,
+                            lambda geometry, count: _check_attention(geometry, count, new_tokens, device, repeats),
+                            lambda geometry, count: [attention_pipeline(geometry, count, new_tokens, device, repeats)],
+                            "attention sweep")

@@ -10,8 +10,6 @@ import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 from typing import Any, Sequence
 
-from kvlab.results import load_results
-
 
 def junit_counts(junit: Path) -> dict[str, int]:
     """passed / failed / errors / skipped of a pytest JUnit XML file (all zero when missing)."""
@@ -42,13 +40,27 @@ def headline(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def newest_run(paths: Sequence[Path]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The run records of JSONL result files, and the rows of each file's newest run that
+    measured something (the rows load_results keeps of a file of one machine), reading
+    each file once."""
+    runs, rows = [], []
+    for path in paths:
+        try:
+            records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path} is not JSONL: {error}") from None
+        runs += [r for r in records if r.get("record") == "run"]
+        measured = [r for r in records if r.get("record") != "run"]
+        rows += [r for r in measured if r.get("run_id") == measured[-1].get("run_id")]
+    return runs, rows
+
+
 def summarize(out: Path, steps: dict[str, dict[str, int]]) -> dict[str, Any]:
     """The summary of a device check whose files are in ``out``; written there as
     device-check-summary.json."""
-    transfer_rows = load_results(sorted(out.glob("02_transfer-*.jsonl")))
-    runs = [r for path in sorted(out.glob("02_transfer-*.jsonl"))
-            for r in map(json.loads, path.read_text().splitlines()) if r.get("record") == "run"]
-    attention = [r for r in load_results(sorted(out.glob("02_attention-*.jsonl"))) if r.get("status") == "ok"]
+    runs, transfer_rows = newest_run(sorted(out.glob("02_transfer-*.jsonl")))
+    attention = [r for r in newest_run(sorted(out.glob("02_attention-*.jsonl")))[1] if r.get("status") == "ok"]
     summary = {
         "ok": all(s["rc"] == 0 for s in steps.values()),
         "steps": steps,

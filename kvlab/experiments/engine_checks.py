@@ -42,17 +42,18 @@ class ReusePath:
 
 
 def reuse_paths(lmcache: bool = False, chunk_size: int | None = None,
-                damages: tuple[str, ...] = ("zeroed",)) -> list[ReusePath]:
+                damages: tuple[str, ...] = ("zeroed",), layerwise: bool = True, example: bool = True) -> list[ReusePath]:
     """Recompute, the control, KVLabConnector whole-step (with the sensitivity runs on
     damaged stored KV) and layerwise (zeroed KV), LMCache (when asked: it needs a server)
-    and vLLM's ExampleConnector."""
+    and vLLM's ExampleConnector; one engine each, so leaving some out shortens a run."""
     kvlab = {"store": "cpu", **({"chunk_size": chunk_size} if chunk_size else {})}
     paths = [ReusePath(RECOMPUTE, phase="cold"), ReusePath(CONTROL, prefix_caching=True, phase="floor"),
-             ReusePath(Reuse.KVLAB_WHOLE_STEP.label, "kvlab", kvlab, damages=damages),
-             ReusePath(Reuse.KVLAB_LAYERWISE.label, "kvlab", {**kvlab, "layerwise": True}, damages=("zeroed",))]
+             ReusePath(Reuse.KVLAB_WHOLE_STEP.label, "kvlab", kvlab, damages=damages)]
+    if layerwise:
+        paths.append(ReusePath(Reuse.KVLAB_LAYERWISE.label, "kvlab", {**kvlab, "layerwise": True}, damages=("zeroed",)))
     if lmcache:
         paths.append(ReusePath(Reuse.LMCACHE.label, "lmcache"))
-    return paths + [ReusePath(Reuse.EXAMPLE_CONNECTOR.label, "example")]
+    return paths + ([ReusePath(Reuse.EXAMPLE_CONNECTOR.label, "example")] if example else [])
 
 
 @dataclass

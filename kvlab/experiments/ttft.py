@@ -26,9 +26,13 @@ def run_any_engine(spec: EngineSpec, prompts: list[list[int]], lmcache: Any = No
     return run_on_server(lmcache, spec, prompts, **options)
 
 
+EXTRA_ENGINES = ("new process", "checked")
+
+
 def ttft_scenarios(model: str, prompts: list[list[int]], workdir: str | Path, dtype: str = "bfloat16",
                    block_size: int = 32, chunk_size: int | None = None,
-                   modes: tuple[str, ...] = ("whole-step", "layerwise"), repeats: int = 3) -> list[dict]:
+                   modes: tuple[str, ...] = ("whole-step", "layerwise"), repeats: int = 3,
+                   extras: tuple[str, ...] = EXTRA_ENGINES) -> list[dict]:
     """Time to first token, one engine per process, every engine on the same threads and
     with vLLM's prefix cache on: recompute (first sight), vLLM's own prefix-cache hit (the
     floor: the KV is in place, nothing moves), and the same prompts served through
@@ -37,7 +41,12 @@ def ttft_scenarios(model: str, prompts: list[list[int]], workdir: str | Path, dt
     vLLM's prefix cache emptied before each of those. Every engine also records its own
     prefix-hit time between its warm runs (``engine_floor_s``: how much the engine itself
     drifts). Each warm row also says whether its outputs equal recompute's; overheads
-    come from :func:`with_overheads`."""
+    come from :func:`with_overheads`. ``extras`` picks the engines beyond one per mode
+    (a new process reading the disk tier, whole-step with every hit checksummed): fewer
+    engines for a shorter run."""
+    unknown = sorted(set(extras) - set(EXTRA_ENGINES))
+    if unknown:
+        raise ValueError(f"unknown extra engines {unknown}; choose from {list(EXTRA_ENGINES)}")
     workdir = Path(workdir)
     common = {"model": model, "dtype": dtype, "block_size": block_size, "prefix_caching": True}
     kvlab = {"chunk_size": chunk_size} if chunk_size else {}
@@ -53,10 +62,11 @@ def ttft_scenarios(model: str, prompts: list[list[int]], workdir: str | Path, dt
         plans.append((label, EngineSpec(**common, connector="kvlab", extra=extra,
                                         phases=("cold", *paired("warm", "warm-disk"))),
                       {"warm": f"{label}, memory", "warm-disk": f"{label}, disk"}))
-        plans.append((f"{label} new process", EngineSpec(**common, connector="kvlab", extra=extra,
-                                                         phases=paired("warm-disk")),
-                      {"warm-disk": f"{label}, disk, new process"}))
-        if mode == "whole-step":
+        if "new process" in extras:
+            plans.append((f"{label} new process", EngineSpec(**common, connector="kvlab", extra=extra,
+                                                             phases=paired("warm-disk")),
+                          {"warm-disk": f"{label}, disk, new process"}))
+        if mode == "whole-step" and "checked" in extras:
             checked = {**kvlab, "verify": "always"}
             plans.append((f"{label} checked", EngineSpec(**common, connector="kvlab", extra=checked,
                                                          phases=("cold", *paired("warm"))),

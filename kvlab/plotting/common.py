@@ -17,8 +17,19 @@ def human_bytes(n: float) -> str:
     raise AssertionError
 
 
-def save_figure(fig: plt.Figure, name: str, figures_dir: str | Path, formats: Sequence[str] = ("png", "svg")) -> list[Path]:
-    """Save ``fig`` as ``figures_dir/name.{png,svg}`` (PNG for reading, SVG/PDF for papers)."""
+def provenance(rows: Iterable[dict]) -> str:
+    """Where a figure's numbers come from: each machine and the profile it ran under."""
+    rows = rows.to_dict("records") if hasattr(rows, "to_dict") else rows
+    runs = dict.fromkeys((r.get("hardware") or "this machine", r.get("profile") or "unrecorded") for r in rows)
+    return "measured on " + "; ".join(f"{hardware}, {profile} profile" for hardware, profile in runs)
+
+
+def save_figure(fig: plt.Figure, name: str, figures_dir: str | Path, formats: Sequence[str] = ("png", "svg"),
+                source: Iterable[dict] | None = None) -> list[Path]:
+    """Save ``fig`` as ``figures_dir/name.{png,svg}`` (PNG for reading, SVG/PDF for papers).
+    With ``source`` (the result rows drawn), a footer names their machines and profiles."""
+    if source is not None:
+        fig.text(0.995, 0.0, provenance(source), ha="right", va="top", fontsize=6, color="0.35")
     figures_dir = Path(figures_dir)
     figures_dir.mkdir(parents=True, exist_ok=True)
     paths = []

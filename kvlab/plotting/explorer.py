@@ -65,6 +65,10 @@ def explore(
     # The numbers and the map are widget values, replaced in place on every change.
     numbers = widgets.HTML()
     picture = widgets.Image(format="png")
+    controls = {"model": model_w, "layout-a": first, "layout-b": second, "block-size": block_w, "tokens": tokens_w,
+                "numbers": numbers, "map": picture}
+    for role, widget in controls.items():
+        widget.add_class(f"kvlab-explorer-{role}")  # CSS handles for the browser test (tests/runtime/test_lab.py)
 
     updating = False  # set while the model change swaps the layout lists: draw once, after
 

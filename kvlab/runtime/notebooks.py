@@ -1,4 +1,5 @@
-"""Run the notebooks headless with papermill: the main job, and the tests' quick mode."""
+"""Run the notebooks headless with papermill: the main job (the standard or paper profile)
+and the tests (the quick profile)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,23 @@ from pathlib import Path
 from typing import Sequence
 
 NOTEBOOKS_DIR = Path(__file__).resolve().parents[2] / "notebooks"
+# How much a notebook measures: quick (the tests: no vLLM engine), standard (`make run`:
+# minutes), paper (every sweep in full: over an hour on 2 cores).
+PROFILES = ("quick", "standard", "paper")
+# Minutes each notebook took measuring on a 2-core Intel Xeon: the estimate make run prints
+# before a notebook has run here (after that, its own last time).
+REFERENCE_MINUTES = {
+    "standard": {"01_kv_layouts": 0.4, "02_transfer_timing": 1.6, "03_connector_and_hooks": 2.0, "04_accuracy": 2.8,
+                 "05_extend_kvlab": 0.2},
+    "paper": {"01_kv_layouts": 0.5, "02_transfer_timing": 4, "03_connector_and_hooks": 21, "04_accuracy": 44,
+              "05_extend_kvlab": 0.7},
+}
+
+
+def check_profile(profile: str) -> str:
+    if profile not in PROFILES:
+        raise ValueError(f"unknown profile {profile!r}; choose from {list(PROFILES)}")
+    return profile
 
 
 def notebook_paths(only: Sequence[str] | None = None) -> list[Path]:
@@ -23,12 +41,17 @@ def notebook_paths(only: Sequence[str] | None = None) -> list[Path]:
     return paths
 
 
-def run_notebooks(quick: bool = False, only: Sequence[str] | None = None, out: str | Path = "data",
+def run_notebooks(profile: str = "standard", only: Sequence[str] | None = None, out: str | Path = "data",
                   measure: bool = True) -> list[Path]:
     """Execute each notebook, writing figures under out/figures, results under out/results
-    and the executed notebook under out/notebooks. With ``measure`` off, notebooks that
-    time things only redraw their figures from the results already in out/results."""
+    and the executed notebook under out/notebooks. ``profile`` (kvlab.results.PROFILES) says
+    how much is measured: quick (the tests), standard (minutes; the slowest engine sweeps
+    are drawn from the committed paper results), paper (everything). With ``measure`` off,
+    notebooks that time things only redraw their figures from the results in out/results.
+    The CLI (make run, make figures) then writes the report (kvlab.plotting.report)."""
     import papermill
+
+    check_profile(profile)  # each notebook records it (use_profile) in its own kernel
 
     out = Path(out).resolve()
     executed = []
@@ -37,21 +60,23 @@ def run_notebooks(quick: bool = False, only: Sequence[str] | None = None, out: s
     for number, path in enumerate(paths, 1):
         target = out / "notebooks" / path.name
         target.parent.mkdir(parents=True, exist_ok=True)
-        last = last_duration(target, quick=quick, measure=measure)
-        estimate = f"; it took {last / 60:.1f} min last time here" if last is not None else ""
-        print(f"kvlab: notebook {number}/{len(paths)} {path.stem} ({'quick' if quick else 'full'}"
+        last = last_duration(target, profile=profile, measure=measure)
+        reference = REFERENCE_MINUTES.get(profile, {}).get(path.stem) if measure else None
+        estimate = (f"; it took {last / 60:.1f} min last time here" if last is not None else
+                    f"; about {reference} min on a 2-core Intel Xeon" if reference is not None else "")
+        print(f"kvlab: notebook {number}/{len(paths)} {path.stem} ({profile} profile"
               f"{'' if measure else ', from the committed results'}{estimate})", file=sys.stderr, flush=True)
         started = time.perf_counter()
         papermill.execute_notebook(
             str(path),
             str(target),
-            parameters={
-                "quick": quick,
+            parameters=declared_only(path, {
+                "profile": profile,
                 "figures_dir": os.path.relpath(out / "figures", path.parent),
                 "results_dir": os.path.relpath(out / "results", path.parent),
                 "interactive": False,
                 "measure": measure,
-            },
+            }),
             cwd=str(path.parent),
             kernel_name="python3",
             progress_bar=True,
@@ -62,13 +87,22 @@ def run_notebooks(quick: bool = False, only: Sequence[str] | None = None, out: s
     return executed
 
 
-def last_duration(executed: Path, quick: bool, measure: bool) -> float | None:
-    """Seconds the last run of an executed notebook took, when it ran the same way (quick
-    or full, measuring or redrawing); None when there is no such run."""
+def declared_only(path: Path, parameters: dict) -> dict:
+    """The parameters ``path`` declares in its parameters cell (a notebook that times nothing
+    has no ``measure``): papermill warns about any other."""
+    import papermill
+
+    declared = papermill.inspect_notebook(str(path))
+    return {name: value for name, value in parameters.items() if name in declared}
+
+
+def last_duration(executed: Path, profile: str, measure: bool) -> float | None:
+    """Seconds the last run of an executed notebook took, when it ran the same way (the
+    same profile, measuring or redrawing); None when there is no such run."""
     try:
         meta = json.loads(executed.read_text())["metadata"]["papermill"]
         parameters = meta["parameters"]
-        same = parameters.get("quick") == quick and parameters.get("measure", True) == measure
+        same = parameters.get("profile") == profile and parameters.get("measure", True) == measure
         return float(meta["duration"]) if same and meta.get("duration") else None
     except (OSError, ValueError, KeyError, TypeError):
         return None

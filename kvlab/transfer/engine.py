@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Callable, Sequence, TypeVar
 
 import torch
 
@@ -20,6 +20,8 @@ from kvlab.cache.segments import check_block_ids
 from kvlab.transfer.common import copy_stream, device_of, in_callers_mode, shared_memory
 from kvlab.transfer.plan import CopyPlan, copy_plan
 from kvlab.transfer.registry import get_method, method_status
+
+T = TypeVar("T")
 
 
 def host_buffer(cache: KVCache, num_blocks: int, *, pin_memory: bool | None = None) -> KVCache:
@@ -86,7 +88,7 @@ class Transfer:
     blocking: bool = True
     staging: bool | None = None  # gather/compiled across devices: stage on the accelerator
     _event: object = field(default=None, init=False, repr=False)
-    _pairs: dict = field(default_factory=dict, init=False, repr=False)
+    _prepared: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         src, dst = self.src, self.dst
@@ -152,9 +154,27 @@ class Transfer:
         return (f"Transfer({self.method}: {len(self.src_blocks)} blocks{layers}, {self.nbytes / 2**20:,.1f} MiB, "
                 f"{self.src!r} -> {self.dst!r})")
 
+    def prepared(self, name: str, make: Callable[[], T], src: KVCache | None = None, dst: KVCache | None = None) -> T:
+        """What method ``name`` builds from the storages of ``src`` and ``dst`` (the transfer's
+        own by default; a staged copy's side is new each run): made by ``make`` once per pair
+        of storages and reused while they last, as a timed transfer runs many times. Only the
+        newest pair is kept, with its storages, so memory stays bounded and an address in the
+        key cannot be reused by a new storage while it is a key."""
+        src, dst = self.src if src is None else src, self.dst if dst is None else dst
+        storages = (*src.storage, *dst.storage)
+        key = (name, *((x.data_ptr(), x.numel()) for x in storages))
+        if key not in self._prepared:
+            self._prepared = {key: (make(), storages)}
+        return self._prepared[key][0]
+
     @functools.cached_property
     def plan(self) -> CopyPlan:
         return copy_plan(self.src, self.src_blocks, self.dst, self.dst_blocks, self.layers)
+
+    def run_table(self) -> list[torch.Tensor]:
+        """The plan's runs as contiguous int64 columns (source address, destination address,
+        bytes): what a batch copy call reads."""
+        return [c.contiguous() for c in (*self.plan.addresses(self.src.storage, self.dst.storage), self.plan.length)]
 
     @property
     def nbytes(self) -> int:

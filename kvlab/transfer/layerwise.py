@@ -66,7 +66,9 @@ class LayerwiseLoad:
         if self.transfers[0][0].device.type != "cpu":  # queued on the copy stream: returns at once
             issue()
         else:
-            self._thread = threading.Thread(target=in_callers_mode(issue), name="kvlab-layerwise", daemon=True)
+            # not a daemon: a program that ends mid-load waits for it (a daemon killed inside a
+            # torch copy at exit aborts the interpreter: "terminate called without an active exception")
+            self._thread = threading.Thread(target=in_callers_mode(issue), name="kvlab-layerwise")
             self._thread.start()
         return self
 

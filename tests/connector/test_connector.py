@@ -102,10 +102,18 @@ def test_layerwise_through_ascend_style_hooks(layout: str, geometry: ModelGeomet
     assert worker.stats.save_segments == 4 * len(worker.cache.storage)  # a run per block per (layer, part) tensor
 
 
-def test_cross_layer_views_are_recognised_as_block_major() -> None:
-    _, worker = connectors(GQA)
-    register(worker, "vllm>=0.29 BLHNC", GQA, NUM_BLOCKS)
+def registration_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "kvlab.connector" and r.levelno >= logging.INFO]
+
+
+def test_cross_layer_views_are_recognised_as_block_major(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+    _, worker = connectors(GQA, {"enable_cross_layers_blocks": True, "store": "disk", "disk_path": str(tmp_path)})
+    with caplog.at_level(logging.INFO, logger="kvlab.connector"):
+        register(worker, "vllm>=0.29 BLHNC", GQA, NUM_BLOCKS)
     assert worker.cache.layout.name == "BLHNC" and worker.cache.layout.is_cross_layer
+    assert registration_lines(caplog) == [
+        f"KVLabConnector: rank 0 of 1 registered a BLHNC cache of {NUM_BLOCKS} blocks of {BS} tokens (one segment "
+        "per block); tiers ['memory', 'disk']; cross-layer blocks asked for and granted"]
     _, worker = connectors(GQA)
     register(worker, "vllm0.12 flash NHD cross", GQA, NUM_BLOCKS)
     assert worker.cache.layout.is_cross_layer
@@ -234,14 +242,23 @@ def test_defaults() -> None:
     assert config.store == "cpu" and not config.layerwise and config.chunk_blocks(32) == 8
 
 
-def test_cross_layer_request_on_cpu_falls_back_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
-    config = stand_in_config(GQA, {"enable_cross_layers_blocks": True})
-    with caplog.at_level(logging.WARNING, logger="kvlab.connector"):
-        assert KVLabConnector.get_required_kvcache_layout(config) is None
-    assert "ignored on CPU" in caplog.text
+def test_cross_layer_request_on_cpu_falls_back_and_the_registration_line_says_why(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """One INFO line per worker: the layout, the tiers, what became of the cross-layer request."""
+    assert KVLabConnector.get_required_kvcache_layout(stand_in_config(GQA, {"enable_cross_layers_blocks": True})) is None
     assert KVLabConnector.get_required_kvcache_layout(stand_in_config(GQA, {})) is None
     scheduler, worker = connectors(GQA, {"enable_cross_layers_blocks": True})
     assert worker.prefer_cross_layer_blocks  # what vLLM 0.12-0.28 reads
+    with caplog.at_level(logging.INFO, logger="kvlab.connector"):
+        register(worker, "vllm>=0.29 CPU_LBHNC", GQA, NUM_BLOCKS)  # what vLLM's CPU engine hands over
+    assert registration_lines(caplog) == [
+        f"KVLabConnector: rank 0 of 1 registered a CPU_LBHNC cache of {NUM_BLOCKS} blocks of {BS} tokens (per-layer "
+        "segments); tiers ['memory']; cross-layer blocks asked for, not granted (CPU_ATTN supports LBHNC only)"]
+    caplog.clear()
+    _, worker = connectors(GQA)
+    with caplog.at_level(logging.INFO, logger="kvlab.connector"):
+        register(worker, "vllm>=0.29 CPU_LBHNC", GQA, NUM_BLOCKS)
+    assert registration_lines(caplog)[0].endswith("; cross-layer blocks not asked for")
 
 
 def test_unrecognised_cache_is_a_clear_error() -> None:

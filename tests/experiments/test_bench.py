@@ -123,6 +123,21 @@ def test_layerwise_rows(tmp_path):
     assert all(r["sequential_s"] > 0 and r["layerwise_s"] > 0 and r["speedup"] > 0 for r in rows)
 
 
+def test_attention_sweep_rows(tmp_path):
+    """The attention stack over a loaded prefix: one row per model and prefix, appended
+    after the run record, with the timings and the intensity they give."""
+    (tmp_path / "config.json").write_text(
+        '{"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 256}')
+    out = tmp_path / "02_attention.jsonl"
+    rows = bench.run_attention_sweep([str(tmp_path)], [16, 40], 4, "cpu", repeats=1, out=out)
+    assert [(r["prefix_tokens"], r["new_tokens"], r["kind"]) for r in rows] == [(16, 4, "attention"), (40, 4, "attention")]
+    assert all(r["sequential_s"] > 0 and r["layerwise_s"] > 0 and r["intensity"] == r["compute_s"] / r["load_s"]
+               for r in rows)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["record"] for r in records] == ["run", "row", "row"]
+    assert {r["run_id"] for r in records} == {records[0]["run_id"]}
+
+
 def test_rows_are_written_as_measured(tmp_path):
     """A sweep cut short (the GPU script runs under a timeout) keeps the rows it measured."""
     out = results.default_results_path("02_transfer", "cpu", tmp_path)

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from kvlab.experiments import bench
-from kvlab.experiments.device_check import headline, summarize, junit_counts
+from kvlab.experiments.device_check import headline, junit_counts, summarize
+from kvlab.results import load_results
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,3 +62,18 @@ def test_ratio_spread_flags_noise():
     # beating torch's copy is no noise where the memory bound (the native copy) is not beaten
     assert not bench.ratio_spread([1.0] * 5, [1.2] * 5, bound=0.97)["noisy"]
     assert bench.ratio_spread([1.0] * 5, [1.0] * 5, bound=1.3)["noisy"]
+
+
+def test_summary_reads_the_newest_run_of_a_reused_folder(tmp_path):
+    """A folder a device check ran in before: the summary counts the newest run that measured
+    something (the rows load_results keeps), and its fingerprint is the newest run record."""
+    path = tmp_path / "02_transfer-cpu-test.jsonl"
+    runs = [{"record": "run", "run_id": name, "hardware": "cpu: test", "date": date, "device": "cpu"}
+            for name, date in (("old", "2026-01-01"), ("new", "2026-01-02"), ("cut", "2026-01-03"))]
+    records = [runs[0], {**_row("gather", "LBHNC", "load", 0.5), "run_id": "old"},
+               runs[1], *[{**_row("gather", "LBHNC", d, 0.8), "run_id": "new"} for d in ("load", "offload")], runs[2]]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    summary = summarize(tmp_path, {"bench": {"rc": 0, "seconds": 1}})
+    assert summary["rows"]["transfer"] == len(load_results([path])) == 2
+    assert summary["fingerprint"]["run_id"] == "cut"
+    assert {h["direction"]: h["per_layer"]["ratio"] for h in summary["headline"]} == {"load": 0.8, "offload": 0.8}

@@ -98,6 +98,8 @@ def test_reuse_paths_and_bad_path_lists() -> None:
     names = [p.name for p in reuse_paths()]
     assert names[:2] == [RECOMPUTE, CONTROL] and "LMCache" not in names
     assert "LMCache" in [p.name for p in reuse_paths(lmcache=True)]
+    short = [p.name for p in reuse_paths(lmcache=True, layerwise=False, example=False)]
+    assert short == [RECOMPUTE, CONTROL, "KVLab whole-step", "LMCache"]
     assert ReusePath("x", "kvlab", damages=("zeroed",)).phases == ("cold", "warm", "warm-zeroed")
     with pytest.raises(ValueError, match="first two paths"):
         AccuracyCheck("unused", paths=[ReusePath("KVLab", "kvlab")]).run()

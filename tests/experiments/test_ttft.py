@@ -48,3 +48,10 @@ def test_a_model_vllm_cannot_run_is_refused_before_any_engine(tmp_path: Path, co
         run_engine(EngineSpec(str(tmp_path)), [[1, 2, 3]])
     with pytest.raises(ValueError, match=message):
         VLLMServer(str(tmp_path)).model_folder
+
+
+def test_unknown_extra_engines_are_refused_before_any_engine(tmp_path):
+    from kvlab.experiments.ttft import ttft_scenarios
+
+    with pytest.raises(ValueError, match=r"unknown extra engines \['forked'\]; choose from \['new process', 'checked'\]"):
+        ttft_scenarios("no-such-model", [[1, 2, 3]], tmp_path, extras=("checked", "forked"))

@@ -19,7 +19,8 @@ from kvlab.experiments.engine_checks import (
 from kvlab.experiments.tasks import DISCRIMINATING
 from kvlab.store.damage import DAMAGES
 
-pytestmark = pytest.mark.slow  # starts engines, servers or notebook kernels
+# starts engines; its tests share one accuracy run (one pytest-xdist worker runs them all)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("engine-accuracy")]
 
 PROBLEMS = 200
 

@@ -1,4 +1,4 @@
-"""Every notebook runs headless in quick mode (what CI runs), writing its figures, and
+"""Every notebook runs headless in the quick profile (what CI runs), writing its figures, and
 redraws them from the committed results alone (``make figures``)."""
 
 import pytest
@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow  # starts engines, servers or notebook kernels
 def test_notebook_runs(path, tmp_path):
     import nbformat
 
-    (executed,) = run_notebooks(quick=True, only=[path.stem], out=tmp_path)
+    (executed,) = run_notebooks(profile="quick", only=[path.stem], out=tmp_path)
     notebook = nbformat.read(executed, as_version=4)
     errors = [o for c in notebook.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors
@@ -32,7 +32,7 @@ def test_figures_redraw_from_committed_results(tmp_path, notebook, figures):
     (tmp_path / "results").mkdir()
     for path in committed:
         shutil.copy(path, tmp_path / "results")
-    run_notebooks(quick=True, only=[notebook], out=tmp_path, measure=False)
+    run_notebooks(profile="quick", only=[notebook], out=tmp_path, measure=False)
     assert sorted(p.name for p in (tmp_path / "results").iterdir()) == sorted(p.name for p in committed)
     assert len(list((tmp_path / "figures").glob(f"{notebook[:2]}_*.svg"))) == figures
 
@@ -41,6 +41,6 @@ def test_figures_without_results_is_a_clear_error(tmp_path):
     from papermill.exceptions import PapermillExecutionError
 
     with pytest.raises(PapermillExecutionError, match="no 02_transfer-"):
-        run_notebooks(quick=True, only=["02_transfer_timing"], out=tmp_path, measure=False)
+        run_notebooks(profile="quick", only=["02_transfer_timing"], out=tmp_path, measure=False)
     with pytest.raises(PapermillExecutionError, match="no 03_ttft-"):
-        run_notebooks(quick=True, only=["03_connector_and_hooks"], out=tmp_path, measure=False)
+        run_notebooks(profile="quick", only=["03_connector_and_hooks"], out=tmp_path, measure=False)

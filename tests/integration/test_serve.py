@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.resources
 import json
 import re
+import urllib.request
 
 import pytest
 from conftest import prepared, running
@@ -34,6 +35,13 @@ def cached_tokens(response: dict) -> int:
     return response["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
+def kvlab_counters(server: VLLMServer) -> dict[str, float]:
+    """KVLabConnector's Prometheus counters at the server's ``/metrics`` (one engine)."""
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return {m[1]: float(m[2]) for m in re.finditer(r"^vllm:kvlab_(\w+)_total\{[^}]*\} (\S+)$", text, re.M)}
+
+
 # ---- real servers ---------------------------------------------------------------------------
 SEED_EXTRA = {"enable_cross_layers_blocks": True}
 
@@ -42,12 +50,15 @@ def test_the_seeds_command_verbatim_serves_repeats_from_the_connector(tmp_path, 
     """``vllm serve <model> --kv-transfer-config '{..."kv_connector_extra_config":
     {"enable_cross_layers_blocks":true}}'`` with vLLM's defaults for everything else (its
     process layout, prefix caching on, block size, bf16, compilation); only the KV space a
-    small machine has, ``--enable-prompt-tokens-details``, and vLLM's development endpoint
-    that empties its own prefix cache. A repeat after that reset is served by the connector
-    and says so in ``cached_tokens``, with the text of vLLM's own prefix-cache repeat;
-    tenants (cache salts) stay apart as in vLLM's prefix cache."""
+    small machine has, ``--enable-prompt-tokens-details``, vLLM's development endpoint
+    that empties its own prefix cache, and its stats logged every second (not every 10 s).
+    A repeat after that reset is served by the connector and says so in ``cached_tokens``,
+    with the text of vLLM's own prefix-cache repeat; tenants (cache salts) stay apart as in
+    vLLM's prefix cache. The connector's counters reach vLLM's ``/metrics`` and its stats
+    line, and its one registration line vLLM's log."""
     server = VLLMServer(prepared(SMOLLM2), extra=SEED_EXTRA, vllm_defaults=True,
-                        env={"VLLM_SERVER_DEV_MODE": "1"}, log_path=tmp_path / "serve.log")
+                        env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOG_STATS_INTERVAL": "1"},
+                        log_path=tmp_path / "serve.log")
     with server:
         assert server.command()[2:] == [
             str(server.model_folder), "--host", "127.0.0.1", "--port", str(server.port), "--enable-prompt-tokens-details",
@@ -63,6 +74,7 @@ def test_the_seeds_command_verbatim_serves_repeats_from_the_connector(tmp_path, 
         salted = [cached_tokens(server.complete(text, MAX_TOKENS, cache_salt=salt)) for salt in ("a", "b")]
         assert server.reset_prefix_cache()
         salted.append(cached_tokens(server.complete(text, MAX_TOKENS, cache_salt="a")))
+        counters = kvlab_counters(server)
     assert len(pids) >= 3, "API server, engine core and worker are separate processes"
     assert running(pids) == []
     reused = cached_tokens(vllm_repeat)  # full blocks before the last prompt token, whatever vLLM's block size
@@ -71,9 +83,20 @@ def test_the_seeds_command_verbatim_serves_repeats_from_the_connector(tmp_path, 
     # both repeats compute the last tokens on top of the cold run's KV: the same text, bf16 or not
     assert connector_repeat["choices"][0]["text"] == vllm_repeat["choices"][0]["text"]
     assert salted == [0, 0, reused]
-    # kvlab's lines reach vLLM's own log (vllm serve configures only the "vllm" logger)
-    assert re.search(r"KVLabConnector: rank 0 of 1 registered a \S+ cache of \d+ blocks of \d+ tokens",
-                     (tmp_path / "serve.log").read_text())
+    # through vLLM's stats (worker and scheduler sides) to its Prometheus endpoint
+    assert set(counters) == {"hit_tokens", "loaded_blocks", "saved_blocks", "load_errors", "save_errors"}, counters
+    assert counters["hit_tokens"] >= reused and counters["loaded_blocks"] > 0 and counters["saved_blocks"] > 0
+    assert counters["load_errors"] == counters["save_errors"] == 0
+    # kvlab's lines reach vLLM's own log (vllm serve configures only the "vllm" logger): one per worker
+    log = (tmp_path / "serve.log").read_text()
+    assert len(re.findall(r"KVLabConnector: rank 0 of 1 registered a \S+ cache of \d+ blocks of \d+ tokens "
+                          r"\(per-layer segments\); tiers \['memory'\]; cross-layer blocks asked for, not granted "
+                          r"\(CPU_ATTN supports LBHNC only\)", log)) == 1
+    assert log.count("KVLabConnector: rank") == 1
+    # and vLLM's periodic stats line (the scheduler's hits, the worker's loads)
+    stats_line = r"KV Transfer metrics: lookups=\d+, hit_tokens=(\d+), loaded_blocks=(\d+)"
+    logged = [tuple(map(int, m)) for m in re.findall(stats_line, log)]
+    assert any(hits and loads for hits, loads in logged), logged
 
 
 def test_bad_extra_config_fails_start_up_and_leaves_nothing(tmp_path):

@@ -54,3 +54,17 @@ def test_atlas_draws_every_layout():
     names = [n for n, layout in LAYOUTS.items() if layout.requires is not Holds.MLA]
     fig = atlas(names, miniature(preset("llama-3.1-8b")), columns=6)
     assert sum(1 for ax in fig.axes if ax.get_title()) == len(names)
+
+
+def test_a_figure_names_the_machines_and_profiles_it_shows(tmp_path):
+    import pandas as pd
+
+    from kvlab.plotting.common import provenance
+
+    rows = [{"hardware": "cpu: A (2 cores)", "profile": "standard"}, {"hardware": "cpu: A (2 cores)", "profile": "standard"},
+            {"hardware": "cuda: H200", "profile": "paper"}]
+    assert provenance(rows) == "measured on cpu: A (2 cores), standard profile; cuda: H200, paper profile"
+    assert provenance(pd.DataFrame(rows)) == provenance(rows)
+    fig = segment_scaling(sweep(["BLHNC"], preset("llama-3.1-8b"), [16], [16]), "t")
+    save_figure(fig, "f", tmp_path, formats=("png",), source=rows)
+    assert [t.get_text() for t in fig.texts if "profile" in t.get_text()] == [provenance(rows)]

@@ -17,11 +17,45 @@ def test_last_duration_only_from_a_run_of_the_same_kind(tmp_path):
     from kvlab.runtime.notebooks import last_duration
 
     executed = tmp_path / "02.ipynb"
-    assert last_duration(executed, quick=False, measure=True) is None  # never ran
+    assert last_duration(executed, profile="paper", measure=True) is None  # never ran
     executed.write_text(json.dumps({"metadata": {"papermill": {"duration": 90.0,
-                                                                "parameters": {"quick": False, "measure": True}}}}))
-    assert last_duration(executed, quick=False, measure=True) == 90.0
-    assert last_duration(executed, quick=True, measure=True) is None
-    assert last_duration(executed, quick=False, measure=False) is None
+                                                                "parameters": {"profile": "paper", "measure": True}}}}))
+    assert last_duration(executed, profile="paper", measure=True) == 90.0
+    assert last_duration(executed, profile="quick", measure=True) is None
+    assert last_duration(executed, profile="paper", measure=False) is None
     executed.write_text("not json")
-    assert last_duration(executed, quick=False, measure=True) is None
+    assert last_duration(executed, profile="paper", measure=True) is None
+
+
+def test_an_unknown_profile_is_refused_before_anything_runs(tmp_path):
+    from kvlab.runtime.notebooks import run_notebooks
+
+    with pytest.raises(ValueError, match=r"unknown profile 'fast'; choose from \['quick', 'standard', 'paper'\]"):
+        run_notebooks(profile="fast", out=tmp_path)
+    assert not list(tmp_path.iterdir())
+
+
+def test_run_records_name_their_profile(tmp_path, monkeypatch):
+    """A result says which profile measured it; runs from before profiles count as paper runs."""
+    import json
+
+    from kvlab.results import load_results, record_run, use_profile
+
+    monkeypatch.delenv("KVLAB_PROFILE", raising=False)
+    path = tmp_path / "x-cpu.jsonl"
+    record_run(path, [{"value": 1}], "cpu")
+    run = json.loads(path.read_text().splitlines()[0])
+    assert run["profile"] is None and load_results([path])[0]["profile"] == "paper"
+    use_profile("standard")
+    record_run(path, [{"value": 2}], "cpu")
+    (row,) = load_results([path])
+    assert row["value"] == 2 and row["profile"] == "standard"
+
+
+def test_only_the_parameters_a_notebook_declares_are_passed():
+    from kvlab.runtime.notebooks import declared_only
+
+    atlas, timing = notebook_paths(["01_kv_layouts", "02_transfer_timing"])
+    given = {"profile": "quick", "measure": False, "nonsense": 1}
+    assert declared_only(atlas, given) == {"profile": "quick"}  # notebook 01 times nothing
+    assert declared_only(timing, given) == {"profile": "quick", "measure": False}

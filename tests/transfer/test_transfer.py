@@ -576,3 +576,48 @@ def test_transfer_prints_a_line_not_tensors():
     text = repr(Transfer(cache, [5, 1], host_buffer(cache, 2)))
     assert "tensor(" not in text and len(text) < 300
     assert text.startswith("Transfer(gather: 2 blocks") and "KVCache(LBHNC, kv, 8 blocks" in text
+
+
+def test_prepared_tables_are_made_once_per_pair_of_storages():
+    """What a method builds from the storages is made on the first run and reused after;
+    other storages (a staged side) or another method get their own, and only the newest is kept."""
+    cache = _kv_cache(num_blocks=8)
+    transfer = Transfer(cache, [5, 1], host_buffer(cache, 2))
+    made = []
+
+    def make():
+        made.append(len(made))
+        return made[-1]
+
+    assert transfer.prepared("m", make) == transfer.prepared("m", make) == 0
+    assert transfer.prepared("m", make, cache, host_buffer(cache, 2)) == 1
+    assert transfer.prepared("m", make) == 2 and transfer.prepared("other", make) == 3
+
+
+@pytest.mark.parametrize("method", ["gather", "memcpy"])
+def test_a_rerun_reuses_its_tables(method):
+    """Running a transfer again copies the same bits through the tables its first run made."""
+    src = random_bits(_kv_cache(num_blocks=8))
+    transfer = Transfer(src, [5, 1], host_buffer(src, 2), method=method).run()
+    (table,) = [value for value, _ in transfer._prepared.values()]
+    transfer.dst.storage[0].zero_()
+    transfer.run()
+    (again,) = [value for value, _ in transfer._prepared.values()]
+    assert again is table
+    assert_same_blocks(transfer.dst, [0, 1], src, [5, 1])
+
+
+def test_a_program_that_ends_mid_layerwise_load_exits_cleanly():
+    """The README's layerwise line waits for layer 0 only, then the program ends: the load
+    finishes first (a daemon thread killed inside a copy at exit aborts the interpreter)."""
+    script = """
+from kvlab.cache import allocate, preset, scattered_block_ids
+from kvlab.transfer import LayerwiseLoad, host_buffer
+llama = preset("llama-3.1-8b")
+ids = scattered_block_ids(64, 256, seed=0)
+cache = allocate("BLHNC", llama, num_blocks=256)
+buffer = host_buffer(cache, 64)
+LayerwiseLoad(buffer, cache, ids).start().wait(0)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

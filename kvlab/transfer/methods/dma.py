@@ -64,19 +64,22 @@ def unavailable(src: KVCache, dst: KVCache) -> str | None:
     return runtime if isinstance(runtime, str) else None
 
 
+def _descriptors(t: Transfer) -> tuple[list[ctypes.Array], list[torch.Tensor]]:
+    """The batch call's destination, source and size arrays: int64 tensors seen as C arrays
+    (returned with them, so the tensors stay alive as long as their arrays)."""
+    src, dst, length = t.run_table()
+    columns = [dst, src, length]
+    arrays = [(kind * t.plan.segments).from_buffer(c.numpy()) for kind, c in
+              zip((ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t), columns)]
+    return arrays, columns
+
+
 def copy_dma(t: Transfer) -> None:
     count = t.plan.segments
     if not count:
         return
     library, version = _runtime()
-    # the descriptor arrays, made once per pair of storages: int64 tensors seen as C arrays
-    key = ("dma", *(x.data_ptr() for x in t.src.storage + t.dst.storage))
-    if key not in t._pairs:
-        columns = [c.contiguous() for c in (*t.plan.addresses(t.src.storage, t.dst.storage)[::-1], t.plan.length)]
-        arrays = [(kind * count).from_buffer(c.numpy()) for kind, c in
-                  zip((ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t), columns)]
-        t._pairs = {key: (arrays, columns)}  # the tensors stay alive with their arrays
-    (dsts, srcs, sizes), _ = t._pairs[key]
+    (dsts, srcs, sizes), _ = t.prepared("dma", lambda: _descriptors(t))
     attributes = _MemcpyAttributes(_SRC_ACCESS_ORDER_STREAM)
     first = ctypes.c_size_t(0)  # the attributes apply from copy 0 on
     stream = ctypes.c_void_p(torch.cuda.current_stream(t.device).cuda_stream)  # the copy stream (Transfer.run)

@@ -28,12 +28,8 @@ def copy_gather(t: Transfer) -> None:
         packed = not t.one_memory and t.dst_blocks == list(range(t.dst_blocks[0], t.dst_blocks[0] + len(t.dst_blocks)))
         loaded = not t.one_memory and t.src_blocks == list(range(t.src_blocks[0], t.src_blocks[0] + len(t.src_blocks)))
         jobs = []
-        # views are cut once per pair of storages (the views keep them alive, so an
-        # address cannot be reused by a new storage while it is a key)
-        key = tuple((x.data_ptr(), x.numel()) for x in src.storage + dst.storage)
-        if key not in t._pairs:
-            t._pairs = {key: [(*widest_int_views(s, d), dim) for s, d, dim in index_pairs(t, src, dst, bool(packed))]}
-        pairs = t._pairs[key]
+        pairs = t.prepared("gather", lambda: [(*widest_int_views(s, d), dim)
+                                              for s, d, dim in index_pairs(t, src, dst, bool(packed))], src, dst)
         # fewer pairs than CPU workers (a cross-layer cache is one pair): split the blocks,
         # when the copy is big enough to pay for handing work to another thread
         pieces = 1

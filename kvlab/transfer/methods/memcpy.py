@@ -69,10 +69,7 @@ def copy_addresses(src: torch.Tensor, dst: torch.Tensor, length: torch.Tensor, t
 def copy_memcpy(t: Transfer) -> None:
     if not t.plan.segments:
         return
-    key = ("memcpy", *(x.data_ptr() for x in t.src.storage + t.dst.storage))
-    if key not in t._pairs:  # the run table, made once per pair of storages
-        t._pairs = {key: [c.contiguous() for c in (*t.plan.addresses(t.src.storage, t.dst.storage), t.plan.length)]}
-    copy_addresses(*t._pairs[key])
+    copy_addresses(*t.prepared("memcpy", t.run_table))
 
 
 def unavailable(src: KVCache, dst: KVCache) -> str | None:

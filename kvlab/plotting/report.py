@@ -1,0 +1,256 @@
+"""One self-contained HTML page from the executed notebooks (data/notebooks -> data/report/
+index.html), what `make run` and `make figures` leave for a reader: a contents list, the
+profile and machine the notebooks ran with, and every figure embedded as a data URI so the
+page still works when moved or served from GitHub Pages.
+
+Code inputs are folded into a <details> element: the page is read for its prose, tables and
+figures, and the code (the notebooks' calls into kvlab) stays one click away. Papermill's
+injected-parameters cell, stderr log lines (font fallbacks, backend notices) and widget
+outputs (tqdm bars, which need a live kernel and whose text fallback is the bar's first
+frame) are left out. Error outputs are never shown: a banner at the top names them."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import nbformat
+
+REPORT_NAME = "index.html"
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+LEFT_OUT_TAGS = {"injected-parameters", "papermill-error-cell-tag"}
+EXTERNAL_SCRIPT_TYPES = {"text/x-mathjax-config"}  # configures the CDN MathJax left out below
+STYLE = """
+.kvlab-report { max-width: 1100px; margin: 0 auto; padding: 24px 16px 0; font-family: var(--jp-content-font-family); }
+.kvlab-report dl { display: grid; grid-template-columns: max-content 1fr; gap: 4px 16px; }
+.kvlab-report dt { font-weight: 600; }
+.kvlab-report dd { margin: 0; }
+.kvlab-errors { border: 3px solid #c62828; background: #ffebee; color: #b71c1c; padding: 12px 16px; margin: 16px 0; }
+.kvlab-errors h2 { margin-top: 0; color: #b71c1c; }
+.kvlab-contents ul { list-style: none; padding-left: 20px; }
+.kvlab-contents li.kvlab-h3 { padding-left: 20px; }
+.kvlab-contents .kvlab-run { color: var(--jp-content-font-color2); font-size: 90%; }
+.kvlab-notebook { border-top: 2px solid var(--jp-border-color1); margin-top: 32px; }
+details.kvlab-code > summary { cursor: pointer; color: var(--jp-content-font-color2); margin-left: 64px;
+  font: var(--jp-code-font-size) var(--jp-code-font-family); }
+"""
+
+
+@dataclass(frozen=True)
+class ExecutedNotebook:
+    """An executed notebook and what papermill recorded about its run."""
+    path: Path
+    node: nbformat.NotebookNode
+
+    @property
+    def papermill(self) -> dict[str, Any]:
+        return self.node.metadata.get("papermill", {})
+
+    @property
+    def parameters(self) -> dict[str, Any]:
+        return self.papermill.get("parameters", {})
+
+    @property
+    def profile(self) -> str:
+        """The ``profile`` parameter when the notebook has one, else quick or full."""
+        return self.parameters.get("profile") or ("quick" if self.parameters.get("quick") else "full")
+
+    @property
+    def measured(self) -> bool:
+        return self.parameters.get("measure", True)
+
+    @property
+    def started(self) -> datetime.datetime | None:
+        return _timestamp(self.papermill.get("start_time"))
+
+    @property
+    def ended(self) -> datetime.datetime | None:
+        return _timestamp(self.papermill.get("end_time"))
+
+    @property
+    def duration_s(self) -> float | None:
+        return self.papermill.get("duration")
+
+    @property
+    def title(self) -> str:
+        for cell in self.node.cells:
+            for line in cell.source.splitlines() if cell.cell_type == "markdown" else ():
+                if line.startswith("# "):
+                    return line[2:].strip()
+        return self.path.stem
+
+    def errors(self) -> list[str]:
+        """``In [n]: EName: message`` for every error output the notebook holds."""
+        return [f"In [{cell.get('execution_count')}]: {output.get('ename')}: {output.get('evalue')}"
+                for cell in self.node.cells for output in cell.get("outputs", [])
+                if output.output_type == "error"]
+
+
+def read_executed(notebooks_dir: str | Path) -> list[ExecutedNotebook]:
+    """The executed notebooks (``[0-9]*.ipynb``) in ``notebooks_dir``, in order."""
+    notebooks_dir = Path(notebooks_dir)
+    paths = sorted(notebooks_dir.glob("[0-9]*.ipynb"))
+    if not paths:
+        raise FileNotFoundError(f"no executed notebooks in {notebooks_dir}: run `make run` or `make figures` first")
+    executed = []
+    for path in paths:
+        try:
+            executed.append(ExecutedNotebook(path, nbformat.read(path, as_version=4)))
+        except (ValueError, nbformat.ValidationError) as error:
+            raise ValueError(f"{path} is not a notebook: {error}") from None
+    return executed
+
+
+def write_report(notebooks_dir: str | Path = "data/notebooks", out_dir: str | Path = "data/report",
+                 results_dir: str | Path | None = None) -> Path:
+    """Render the executed notebooks into ``out_dir/index.html``, say where on stderr as the
+    runner's progress lines do, and return its path. The header names the machine building
+    it (where `make run`/`make figures` just ran the notebooks) and the machines whose
+    committed results the figures show (``results_dir``, by default the ``results`` folder
+    beside ``notebooks_dir``)."""
+    from bs4 import BeautifulSoup
+
+    notebooks = read_executed(notebooks_dir)
+    results_dir = Path(notebooks_dir).parent / "results" if results_dir is None else Path(results_dir)
+    rendered = [_render(notebook) for notebook in notebooks]
+    page = rendered[0][0]  # the lab template's head and styles, once
+    for script in page.head.find_all("script"):
+        if script.get("src") or script.get("type") in EXTERNAL_SCRIPT_TYPES:
+            script.decompose()  # require.js and MathJax from a CDN: nothing here needs them
+    page.head.title.string = "kvlab notebooks: report"
+    style = page.new_tag("style")
+    style.string = STYLE
+    page.head.append(style)
+    main = page.new_tag("main")
+    for notebook, (soup, _) in zip(notebooks, rendered):
+        section = soup.body.main.extract()
+        section.name = "section"
+        section.attrs = {"id": notebook.path.stem, "class": "kvlab-notebook"}
+        main.append(section)
+    page.body.append(BeautifulSoup(_header(notebooks, results_dir, [h for _, h in rendered]), "html.parser"))
+    page.body.append(main)
+    out = Path(out_dir) / REPORT_NAME
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(str(page), encoding="utf-8")
+    print(f"kvlab: report written to {out} ({out.stat().st_size / 2**20:.1f} MiB)", file=sys.stderr, flush=True)
+    return out
+
+
+def _render(notebook: ExecutedNotebook) -> tuple[Any, list[tuple[int, str, str]]]:
+    """The notebook through nbconvert's lab template, with code inputs folded, and its
+    headings as ``(level, text, anchor)`` with anchors unique across the report."""
+    from bs4 import BeautifulSoup
+    from nbconvert import HTMLExporter
+
+    from kvlab.results import slug
+
+    exporter = HTMLExporter(template_name="lab", embed_images=True)
+    body, _ = exporter.from_notebook_node(_readable(notebook.node),
+                                          resources={"metadata": {"path": str(notebook.path.parent)}})
+    soup = BeautifulSoup(body, "html.parser")
+    for wrapper in soup.select(".jp-CodeCell > .jp-Cell-inputWrapper"):
+        details = wrapper.wrap(soup.new_tag("details", attrs={"class": "kvlab-code"}))
+        summary = soup.new_tag("summary")
+        summary.string = "code"
+        details.insert(0, summary)
+    headings, used = [], set()
+    for heading in soup.body.find_all(["h1", "h2", "h3"]):
+        for link in heading.find_all("a", class_="anchor-link"):
+            link.decompose()
+        text = heading.get_text(" ", strip=True)
+        anchor = f"{notebook.path.stem}-{slug(text)}"
+        while anchor in used:
+            anchor += "-"
+        used.add(anchor)
+        heading["id"] = anchor
+        headings.append((int(heading.name[1]), text, anchor))
+    return soup, headings
+
+
+def _readable(node: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """A copy without what cannot or should not render statically (see the module doc)."""
+    node = copy.deepcopy(node)
+    node.metadata.pop("widgets", None)
+    node.cells = [cell for cell in node.cells if not LEFT_OUT_TAGS & set(cell.metadata.get("tags", []))]
+    for cell in node.cells:
+        if "outputs" in cell:
+            cell.outputs = [output for output in cell.outputs if output.output_type != "error"
+                            and not (output.output_type == "stream" and output.name == "stderr")
+                            and WIDGET_VIEW not in output.get("data", {})]
+    return node
+
+
+def _header(notebooks: list[ExecutedNotebook], results_dir: Path,
+            headings: list[list[tuple[int, str, str]]]) -> str:
+    from html import escape
+
+    from kvlab.results import fingerprint, load_results
+
+    errors = [(n, error) for n in notebooks for error in n.errors()]
+    banner = ""
+    if errors:
+        items = "".join(f"<li><a href='#{n.path.stem}'>{escape(n.path.name)}</a> {escape(e)}</li>" for n, e in errors)
+        banner = (f"<div class='kvlab-errors' role='alert'><h2>{len(errors)} error output(s): this run failed</h2>"
+                  f"<p>The errors are left out of the page below; read them in the executed notebooks.</p>"
+                  f"<ul>{items}</ul></div>")
+    profiles = sorted({n.profile for n in notebooks})
+    starts = [n.started for n in notebooks if n.started]
+    ends = [n.ended for n in notebooks if n.ended]
+    when = f"{_date(min(starts))} to {_date(max(ends))}" if starts and ends else "unknown"
+    total = sum(n.duration_s or 0 for n in notebooks)
+    machine = fingerprint()
+    results = sorted(results_dir.glob("*.jsonl")) if results_dir.is_dir() else []
+    measured_on = sorted({row["hardware"] for row in load_results(results) if row.get("hardware")})
+    rows = [
+        ("Profile", escape(" / ".join(profiles)) + (" (differs between notebooks: see the contents)"
+                                                    if len(profiles) > 1 else "")),
+        ("Run", f"{when}; the notebooks took {_duration(total)} in all"),
+        ("Built on", escape(_describe(machine)) + " (where <code>make run</code> or <code>make figures</code> ran the "
+                                                  "notebooks, or <code>kvlab report</code> rebuilt this page)"),
+        ("Results from", "<br>".join(map(escape, measured_on)) or "no committed results"),
+    ]
+    contents = "".join(_contents_entry(n, h) for n, h in zip(notebooks, headings))
+    return (f"<header class='kvlab-report'><h1>kvlab notebooks</h1>{banner}"
+            f"<dl>{''.join(f'<dt>{k}</dt><dd>{v}</dd>' for k, v in rows)}</dl></header>"
+            f"<nav class='kvlab-report kvlab-contents'><h2>Contents</h2><ul>{contents}</ul></nav>")
+
+
+def _contents_entry(notebook: ExecutedNotebook, headings: list[tuple[int, str, str]]) -> str:
+    from html import escape
+
+    run = (f"{notebook.profile}, {'measured' if notebook.measured else 'redrawn from committed results'}, "
+           f"{_date(notebook.started) if notebook.started else 'date unknown'}, "
+           f"{_duration(notebook.duration_s) if notebook.duration_s is not None else 'duration unknown'}")
+    sub = "".join(f"<li class='kvlab-h{level}'><a href='#{anchor}'>{escape(text)}</a></li>"
+                  for level, text, anchor in headings if level > 1)
+    return (f"<li><a href='#{notebook.path.stem}'>{escape(notebook.title)}</a> "
+            f"<span class='kvlab-run'>({escape(run)})</span><ul>{sub}</ul></li>")
+
+
+def _describe(machine: dict[str, Any]) -> str:
+    from kvlab.plotting.common import human_bytes
+
+    memory = f", {human_bytes(machine['memory_bytes'])} memory" if machine.get("memory_bytes") else ""
+    versions = ", ".join(f"{name} {machine[name]}" for name in ("python", "torch", "vllm", "lmcache") if machine.get(name))
+    commit = f", commit {machine['git_commit'][:12]}" if machine.get("git_commit") else ""
+    return f"{machine['hardware']}{memory}; {versions}{commit}"
+
+
+def _timestamp(text: str | None) -> datetime.datetime | None:
+    try:
+        return datetime.datetime.fromisoformat(text) if text else None
+    except ValueError:
+        return None
+
+
+def _date(moment: datetime.datetime) -> str:
+    return moment.astimezone(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+

@@ -1,0 +1,141 @@
+"""The rendered report (data/report/index.html) built from the committed executed notebooks:
+every notebook and heading in its contents, the profile and machine in its header, every
+image embedded, no error output; and, in a headless browser, that it loads and draws so."""
+
+import os
+from pathlib import Path
+
+import pytest
+from bs4 import BeautifulSoup
+
+from kvlab.plotting.report import ExecutedNotebook, read_executed, write_report
+
+COMMITTED = Path(__file__).resolve().parents[2] / "data" / "notebooks"
+ERROR_OUTPUT = "[data-mime-type='application/vnd.jupyter.stderr']"  # nbconvert's mark on errors (and stderr)
+pytestmark = pytest.mark.xdist_group("report")  # one worker builds the shared report
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_report(COMMITTED, tmp_path_factory.mktemp("report"))
+
+
+def test_report_from_the_committed_notebooks(report):
+    from kvlab.results import fingerprint
+
+    notebooks = read_executed(COMMITTED)
+    page = BeautifulSoup(report.read_text(), "html.parser")
+    contents = page.select_one("nav.kvlab-contents")
+    links = [a["href"] for a in contents.select("a")]
+    for notebook in notebooks:
+        assert notebook.errors() == [], f"{notebook.path.name} holds error output"
+        assert f"#{notebook.path.stem}" in links
+        assert page.find("section", id=notebook.path.stem) is not None
+    assert len(links) > 2 * len(notebooks)  # the headings too
+    assert all(page.find(id=href[1:]) is not None for href in links), "a contents link without its anchor"
+    header = page.select_one("header.kvlab-report").get_text(" ")
+    assert fingerprint()["hardware"] in header
+    for notebook in notebooks:
+        assert notebook.profile in header
+    images = page.find_all("img")
+    assert images and all(img["src"].startswith("data:image/") for img in images)
+    assert not page.select(".kvlab-errors") and not page.select(ERROR_OUTPUT)
+    assert not page.find_all("script", src=True), "the page loads nothing from outside"
+    assert "widget-view" not in str(page)
+
+
+def test_profile_from_the_papermill_parameters():
+    import nbformat
+
+    def profile(parameters: dict) -> str:
+        node = nbformat.from_dict({"metadata": {"papermill": {"parameters": parameters}}, "cells": []})
+        return ExecutedNotebook(Path("01.ipynb"), node).profile
+
+    assert profile({"profile": "paper", "quick": False}) == "paper"
+    assert profile({"quick": True}) == "quick"
+    assert profile({"quick": False, "measure": True}) == "full"
+
+
+def _executed(folder: Path, *cells) -> Path:
+    """A one-notebook folder as papermill leaves it (quick profile)."""
+    import nbformat
+
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# 01 · Small"), *cells])
+    notebook.metadata["papermill"] = {"parameters": {"profile": "quick"}, "duration": 1.0}
+    nbformat.write(notebook, folder / "01_small.ipynb")
+    return folder
+
+
+def test_an_error_is_named_at_the_top_and_not_shown(tmp_path):
+    import nbformat
+
+    cell = nbformat.v4.new_code_cell("1 / 0", execution_count=3, outputs=[nbformat.v4.new_output(
+        "error", ename="ZeroDivisionError", evalue="division by zero", traceback=["Traceback: the frames"])])
+    page = BeautifulSoup(write_report(_executed(tmp_path, cell), tmp_path / "report").read_text(), "html.parser")
+    banner = page.select_one(".kvlab-errors").get_text(" ")
+    assert "In [3]: ZeroDivisionError: division by zero" in banner
+    assert not page.select(ERROR_OUTPUT) and "the frames" not in str(page)
+
+
+def test_kvlab_report_rebuilds_it(tmp_path, capsys):
+    import nbformat
+
+    from kvlab.cli import main
+
+    cell = nbformat.v4.new_code_cell("print(42)", execution_count=1,
+                                     outputs=[nbformat.v4.new_output("stream", name="stdout", text="42\n")])
+    assert main(["report", "--notebooks-dir", str(_executed(tmp_path, cell)), "--out", str(tmp_path / "out")]) == 0
+    assert f"report written to {tmp_path / 'out' / 'index.html'}" in capsys.readouterr().err
+    assert main(["report", "--notebooks-dir", str(tmp_path / "none")]) == 2
+    assert "no executed notebooks" in capsys.readouterr().err
+
+
+def test_make_run_and_make_figures_end_with_the_report(tmp_path, monkeypatch):
+    """`kvlab notebooks` (make run, make figures) writes the report after the notebooks;
+    papermill is stood in for by a copy of the committed executed notebook (no kernel starts)."""
+    import shutil
+
+    import papermill
+
+    from kvlab.cli import main
+
+    monkeypatch.setattr(papermill, "execute_notebook",
+                        lambda source, target, **_: shutil.copy(COMMITTED / Path(source).name, target))
+    assert main(["notebooks", "--profile", "quick", "--only", "05_extend_kvlab", "--out", str(tmp_path),
+                 "--from-results"]) == 0
+    page = BeautifulSoup((tmp_path / "report" / "index.html").read_text(), "html.parser")
+    assert [s["id"] for s in page.find_all("section")] == ["05_extend_kvlab"]
+
+
+def test_no_notebooks_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no executed notebooks"):
+        write_report(tmp_path, tmp_path / "report")
+
+
+@pytest.mark.slow
+def test_report_in_a_browser(report, tmp_path):
+    from kvlab.runtime.browser import browser_missing, headless_chromium
+
+    if browser_missing():
+        pytest.skip(browser_missing())
+    problems = []
+    with headless_chromium() as browser:
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.on("pageerror", lambda error: problems.append(f"script error: {error}"))
+        page.on("request", lambda request: None if request.url.startswith(("file:", "data:"))
+                else problems.append(f"fetched {request.url}"))
+        assert page.goto(report.as_uri(), wait_until="load").ok
+        images = page.evaluate("""async () => Promise.all(Array.from(document.images).map(
+            async img => { await img.decode().catch(() => null); return img.naturalWidth; }))""")
+        unresolved = page.evaluate("""() => Array.from(document.querySelectorAll('nav.kvlab-contents a'))
+            .map(a => a.getAttribute('href')).filter(h => !document.getElementById(h.slice(1)))""")
+        errors = page.locator(f".kvlab-errors, {ERROR_OUTPUT}").count()
+        screenshot = page.screenshot(path=tmp_path / "report.png", full_page=True)
+    if os.environ.get("KVLAB_SCREENSHOTS"):
+        folder = Path(os.environ["KVLAB_SCREENSHOTS"])
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "report.png").write_bytes(screenshot)
+    assert images and all(width > 0 for width in images), f"images not drawn: {images}"
+    assert unresolved == []
+    assert errors == 0
+    assert problems == []

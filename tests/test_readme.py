@@ -1,0 +1,469 @@
+"""Every code block of README.md runs as written, and the numbers it prints are the committed
+results', so the README cannot rot.
+
+The policy of each block lives beside it in the README, as an HTML comment on the line right
+before the fence (invisible on GitHub):
+
+- none: a fast test runs it;
+- ``<!-- readme-test: slow -->``: it starts vLLM engines, servers or LMCache: the slow test runs it;
+- ``<!-- readme-test: server (URL) -->``: a console command that serves until stopped (slow): it
+  must answer ``URL/health``, then it is stopped;
+- ``<!-- readme-test: skip (reason) -->``: never run, for the reason given.
+
+``python`` blocks run in a fresh ``.venv/bin/python`` from the repository root; ``console``
+blocks are ``$ command`` lines (``\\`` continues one), each followed by the output it must print;
+``bash`` blocks run as one script, except the set-up commands themselves (``SETUP_COMMANDS``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+PYTHON = ROOT / ".venv" / "bin" / "python"
+
+# The commands that build what the README's blocks need, or the whole suite: running them from a
+# test would recurse or take an hour.
+SETUP_COMMANDS = {
+    "make run": "executes every notebook, measuring for an hour",
+    "make test": "is this test suite: it would recurse",
+    "make lab": "starts JupyterLab and waits for a browser",
+    "make figures": "redraws every figure from the committed results (the notebooks' tests cover it)",
+    "conda env create": "builds a second environment",
+}
+POLICIES = ("fast", "slow", "server", "skip")
+MARKER = re.compile(r"<!--\s*readme-test:\s*(\w+)\s*(?:\((.*)\))?\s*-->")
+FENCE = re.compile(r"^```(\w*)\s*$")
+FAST_TIMEOUT_S = 600
+SLOW_TIMEOUT_S = 3600
+SERVER_START_TIMEOUT_S = 900
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced code block of the README, with the section it sits in and its policy."""
+
+    language: str
+    code: str
+    line: int  # of the opening fence
+    section: str
+    policy: str = "fast"
+    detail: str = ""  # the reason to skip, or the URL a server answers on
+
+    @property
+    def id(self) -> str:
+        return f"{re.sub(r'[^a-z0-9]+', '-', self.section.lower()).strip('-')}-L{self.line}"
+
+
+def readme_blocks(text: str) -> list[Block]:
+    """The fenced blocks of ``text`` in order; a marker names an unknown policy, or a fence is
+    left open: a clear error."""
+    blocks, section, lines = [], "top", text.splitlines()
+    number = 0
+    while number < len(lines):
+        line = lines[number]
+        if line.startswith("#"):
+            section = line.lstrip("#").strip()
+        opening = FENCE.match(line)
+        if not opening:
+            number += 1
+            continue
+        end = next((i for i in range(number + 1, len(lines)) if lines[i].startswith("```")), None)
+        if end is None:
+            raise ValueError(f"README.md:{number + 1}: a fence that is never closed")
+        policy, detail = "fast", ""
+        marker = MARKER.fullmatch(lines[number - 1].strip()) if number else None
+        if marker:
+            policy, detail = marker[1], marker[2] or ""
+            if policy not in POLICIES:
+                raise ValueError(f"README.md:{number}: unknown readme-test policy {policy!r}; choose from {POLICIES}")
+            if policy in ("skip", "server") and not detail:
+                needs = "reason" if policy == "skip" else "URL"
+                raise ValueError(f"README.md:{number}: readme-test: {policy} needs its ({needs})")
+        blocks.append(Block(opening[1], "\n".join(lines[number + 1:end]) + "\n", number + 1, section, policy, detail))
+        number = end + 1
+    return blocks
+
+
+@dataclass(frozen=True)
+class ConsoleCommand:
+    """One ``$`` line of a console block (continuations joined) and the output shown under it."""
+
+    command: str
+    expected: str
+
+
+def console_commands(code: str) -> list[ConsoleCommand]:
+    commands: list[list[str]] = []  # [command, *output lines]
+    continued = False
+    for line in code.splitlines():
+        if continued:
+            commands[-1][0] += "\n" + line
+        elif line.startswith("$ "):
+            commands.append([line[2:]])
+        elif commands:
+            commands[-1].append(line)
+        else:
+            raise ValueError(f"a console block starts with output, not a '$ ' command: {line!r}")
+        continued = line.endswith("\\")
+    return [ConsoleCommand(_with_venv(c[0]), _normalised("\n".join(c[1:]))) for c in commands]
+
+
+def _with_venv(command: str) -> str:
+    """A leading ``python`` is the venv's."""
+    return re.sub(r"^python3?(?=\s)", str(PYTHON), command)
+
+
+def _normalised(output: str) -> str:
+    return "\n".join(line.rstrip() for line in output.strip("\n").splitlines())
+
+
+def setup_reason(block: Block) -> str | None:
+    """Why a bash block is not run: every command in it is a set-up command."""
+    commands = [line.split("#")[0].strip() for line in block.code.splitlines()]
+    commands = [c for c in commands if c]
+    reasons = [next((f"`{c}` {why}" for name, why in SETUP_COMMANDS.items() if c.startswith(name)), None)
+               for c in commands]
+    return "; ".join(reasons) if commands and all(reasons) else None
+
+
+def user_env() -> dict[str, str]:
+    """The environment a reader has: without what the test suite sets for itself (conftest
+    sizes vLLM's KV cache; a block must say so itself when it needs it)."""
+    return {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE" and not k.startswith("PYTEST_")}
+
+
+def run_shell(command: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-euo", "pipefail", "-c", command], cwd=ROOT, env=user_env(), text=True,
+                          capture_output=True, timeout=timeout, check=False)
+
+
+def check_ran(result: subprocess.CompletedProcess, what: str) -> None:
+    assert result.returncode == 0, (f"{what} exited with {result.returncode}\n--- stdout (tail)\n"
+                                    f"{result.stdout[-3000:]}\n--- stderr (tail)\n{result.stderr[-5000:]}")
+
+
+def run_block(block: Block, tmp_path: Path) -> None:
+    timeout = SLOW_TIMEOUT_S if block.policy == "slow" else FAST_TIMEOUT_S
+    where = f"README.md:{block.line} ({block.section})"
+    if block.language == "python":
+        script = tmp_path / f"readme_L{block.line}.py"
+        script.write_text(block.code)
+        check_ran(subprocess.run([str(PYTHON), str(script)], cwd=ROOT, env=user_env(), text=True,
+                                 capture_output=True, timeout=timeout, check=False), where)
+    elif block.language == "console":
+        for command in console_commands(block.code):
+            result = run_shell(command.command, timeout)
+            check_ran(result, f"{where}: $ {command.command}")
+            if command.expected:
+                assert _normalised(result.stdout) == command.expected, f"{where}: $ {command.command} printed otherwise"
+    elif block.language == "bash":
+        check_ran(run_shell(block.code, timeout), where)
+    else:
+        language = block.language or "plain"
+        raise ValueError(f"{where}: no way to run a {language!r} block; mark it readme-test: skip (why)")
+
+
+def run_server(block: Block, tmp_path: Path) -> None:
+    """Start the block's one command, wait until it answers ``<URL>/health``, ask it the same
+    completion twice (the repeat must report cached prompt tokens), then stop its process group."""
+    (command,) = console_commands(block.code)
+    url = block.detail.rstrip("/")
+    host, port = urlsplit(url).hostname, urlsplit(url).port
+    with socket.socket() as probe:
+        if probe.connect_ex((host, port)) == 0:
+            pytest.fail(f"{url} is taken before README.md:{block.line} starts its server")
+    log = tmp_path / "server.log"
+    with log.open("w") as out:
+        server = subprocess.Popen(["bash", "-c", command.command], cwd=ROOT, env=user_env(), stdout=out,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_healthy(server, url, log)
+        model = _get_json(f"{url}/v1/models")["data"][0]["id"]
+        prompt = "The quick brown fox jumps over the lazy dog. " * 40
+        usages = [_post_json(f"{url}/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 4})["usage"]
+                  for _ in range(2)]
+        cached = [(u.get("prompt_tokens_details") or {}).get("cached_tokens") for u in usages]
+        assert None not in cached and cached[1] > 0, f"the repeat reports no cached prompt tokens: {usages}"
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+def _wait_healthy(server: subprocess.Popen, url: str, log: Path) -> None:
+    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            pytest.fail(f"the server exited with {server.returncode} before answering:\n{log.read_text()[-5000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(2)
+    pytest.fail(f"no answer from {url}/health within {SERVER_START_TIMEOUT_S} s:\n{log.read_text()[-5000:]}")
+
+
+def _get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=60) as response:
+        return json.load(response)
+
+
+def _post_json(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        return json.load(response)
+
+
+BLOCKS = readme_blocks(README.read_text())
+
+
+def params(*policies: str) -> list:
+    """One param per block of these policies; skipped blocks and set-up commands say why."""
+    chosen = []
+    for block in (b for b in BLOCKS if b.policy in policies):
+        setup = setup_reason(block) if block.language == "bash" else None
+        reason = block.detail if block.policy == "skip" else setup and f"set-up commands: {setup}"
+        chosen.append(pytest.param(block, id=block.id, marks=[pytest.mark.skip(reason=reason)] if reason else []))
+    return chosen
+
+
+@pytest.mark.parametrize("block", params("fast", "skip"))
+def test_readme_block(block: Block, tmp_path: Path):
+    run_block(block, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", params("slow", "server"))
+def test_readme_block_slow(block: Block, tmp_path: Path):
+    (run_server if block.policy == "server" else run_block)(block, tmp_path)
+
+
+def test_readme_blocks_have_a_runner():
+    """Every block not skipped is in a language this test runs (else: mark it skip, with why)."""
+    assert {b.language for b in BLOCKS if b.policy != "skip"} <= {"python", "console", "bash"}
+
+
+def test_console_parsing():
+    commands = console_commands("$ python -m kvlab x \\\n    --y 1\nline one  \n\n$ true\n")
+    assert [c.command for c in commands] == [f"{PYTHON} -m kvlab x \\\n    --y 1", "true"]
+    assert [c.expected for c in commands] == ["line one", ""]
+    with pytest.raises(ValueError, match="starts with output"):
+        console_commands("output\n$ true\n")
+    with pytest.raises(ValueError, match="unknown readme-test policy"):
+        readme_blocks("<!-- readme-test: later -->\n```python\npass\n```\n")
+    with pytest.raises(ValueError, match="never closed"):
+        readme_blocks("```python\npass\n")
+
+
+# The README's numbers against the committed results they come from (read as the notebooks read
+# them, through kvlab.results), rounded as printed.
+
+def readme_table(header: str) -> list[list[str]]:
+    """Body cells (bold marks dropped) of the README table whose header row starts with ``header``."""
+    lines = README.read_text().splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith(header)), None)
+    assert start is not None, f"README.md has no table headed {header!r}"
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip().replace("**", "") for cell in line.strip().strip("|").split("|")])
+    return rows
+
+
+def committed(pattern: str, latest: bool = True) -> list[dict]:
+    from kvlab.results import committed_results_dir, load_results
+
+    files = sorted(committed_results_dir().glob(pattern))
+    assert files, f"no committed results match data/results/{pattern}"
+    return [r for r in load_results(files, latest=latest) if r.get("status", "ok") == "ok"]
+
+
+def as_printed(value: float, cell: str) -> str:
+    """``value`` rounded to as many decimals as the first number in ``cell`` shows (with its
+    thousands separators), to compare with that number."""
+    number = re.search(r"-?[\d,]*\.?\d+", cell)[0]
+    decimals = len(number.split(".")[1]) if "." in number else 0
+    return f"{value:{',' if ',' in number else ''}.{decimals}f}"
+
+
+def first_number(cell: str) -> str:
+    return re.search(r"-?[\d,]*\.?\d+", cell)[0]
+
+
+def ms(seconds: float, decimals: int | None = None) -> str:
+    """Milliseconds as the README prints them: whole ones with a thousands separator from a
+    second up, else one decimal."""
+    decimals = (0 if seconds >= 1 else 1) if decimals is None else decimals
+    return f"{seconds * 1e3:,.{decimals}f} ms"
+
+
+TRANSFER_LAYOUTS = {"BLHNC cross-layer": "BLHNC", "LBHNC per-layer": "LBHNC",
+                    "Ascend `(k, v)` tuple": "ascend_kv_tuple", "LHBNC per-layer": "LHBNC"}
+
+
+def _layout_of(cell: str) -> tuple[str, int]:
+    label, segments = re.fullmatch(r"(.+) \((\d+) × [\d.]+ [KM]iB\)", cell).groups()
+    return TRANSFER_LAYOUTS[label], int(segments)
+
+
+def test_readme_transfer_ratios():
+    """Llama-3.1-8B, 1024 scattered tokens: each method's share of the ceiling, offload / load."""
+    rows = [r for r in committed("02_transfer-cpu-amd-epyc.jsonl") if r["tokens"] == 1024
+            and r["block_ids"] == "scattered" and r["target"] == "host" and "Llama-3.1-8B" in r["model"]]
+    table = readme_table("| layout (segments moved) | segments | gather | compiled |")
+    methods = ["segments", "gather", "compiled"]
+    assert len(table) == len(TRANSFER_LAYOUTS)
+    for first, *cells in table:
+        layout, segments = _layout_of(first)
+        for method, cell in zip(methods, cells):
+            ratio = {r["direction"]: r for r in rows if r["layout"] == layout and r["method"] == method}
+            assert cell == f"{ratio['offload']['ratio']:.2f} / {ratio['load']['ratio']:.2f}", (layout, method)
+            assert ratio["offload"]["segments"] == segments
+
+
+def test_readme_ceiling_targets():
+    """The ceiling profile's three runs: per cell the range of the ratios, and the targets' ranges."""
+    from kvlab.experiments.bench import ceiling_targets
+
+    rows = committed("02_ceiling-*.jsonl", latest=False)
+    assert len({r["run_id"] for r in rows}) == 3
+
+    def spread(values: list[float]) -> str:
+        return f"{min(values):.2f}-{max(values):.2f}"
+
+    table = readme_table("| layout (segments moved) | segments | gather | compiled | memcpy |")
+    for first, *cells in table:
+        layout, segments = _layout_of(first)
+        for method, cell in zip(["segments", "gather", "compiled", "memcpy"], cells):
+            chosen = [r for r in rows if r["layout"] == layout and r["method"] == method]
+            shown = " / ".join(spread([r["ratio"] for r in chosen if r["direction"] == d]) for d in ("offload", "load"))
+            assert cell == shown, (layout, method)
+            assert {r["segments"] for r in chosen} == {segments}, (layout, method)
+    targets = ceiling_targets(rows)
+    best = {name: spread([t["ratio"] for t in targets if t["target"] == name])
+            for name in ("cross-layer", "per-layer", "LHBNC")}
+    text = " ".join(README.read_text().split())
+    assert (f"cross-layer {best['cross-layer']} (target 0.95), best per-layer {best['per-layer']} (target 0.9), "
+            f"LHBNC {best['LHBNC']} (target 0.7)") in text
+    native = spread([t["native_ratio"] for t in targets if t["target"] == "cross-layer"])
+    assert f"reaches {native} of it cross-layer" in text
+    ceilings = [r["ceiling_gbps"] for r in rows]
+    streams = [r["native_ceiling_gbps"] for r in rows]
+    assert f"The ceiling was {min(ceilings):.1f}-{max(ceilings):.1f} GB/s" in text
+    assert f"copy of the bytes as one run on both threads) {min(streams):.1f}-{max(streams):.1f} GB/s" in text
+
+
+TTFT_SCENARIOS = {  # README label -> the scenario the results name
+    "vLLM prefix-cache hit (the floor: nothing moves)": "vLLM prefix hit",
+    "KVLabConnector whole-step, memory": "KVLab whole-step, memory",
+    'KVLabConnector whole-step, memory, `verify="always"`': "KVLab whole-step, memory, CRC at every hit",
+    "KVLabConnector whole-step, disk (same process)": "KVLab whole-step, disk",
+    "KVLabConnector whole-step, disk, new process": "KVLab whole-step, disk, new process",
+    "KVLabConnector layerwise, memory": "KVLab layerwise, memory",
+    "KVLabConnector layerwise, disk (same process)": "KVLab layerwise, disk",
+    "KVLabConnector layerwise, disk, new process": "KVLab layerwise, disk, new process",
+    "vLLM ExampleConnector": "ExampleConnector",
+}
+
+
+def test_readme_ttft_table():
+    """Notebook 03's time to first token, row by row in the order the results hold them."""
+    rows = {r["scenario"]: r for r in committed("03_ttft-*.jsonl")}
+    table = readme_table("| scenario | TTFT (median) |")
+    assert len(table) == len(rows)
+    for label, median, span, floor, overhead, vs_plain in table:
+        row = rows[TTFT_SCENARIOS.get(label, label)]
+        assert (median, span) == (ms(row["median_s"]), f"{ms(row['min_s'])}-{ms(row['max_s'])}"), row["scenario"]
+        if row["phase"] != "cold":
+            shown = (ms(row["engine_floor_s"]), ms(row["overhead_s"]), ms(row["overhead_vs_plain_s"]))
+            assert (floor, overhead, vs_plain) == shown, row["scenario"]
+
+
+def test_readme_connectors_table():
+    """Notebook 04's side by side: TTFT, retrieve and store cost per connector."""
+    from kvlab.experiments.ttft import connector_costs
+
+    rows = connector_costs(committed("04_connectors-*.jsonl"))
+    table = readme_table("| connector | cold TTFT |")
+    assert len(table) == len(rows)
+    for row, (_, cold, warm, floor, retrieve, retrieve_gbps, saves, store_gbps) in zip(rows, table):
+        assert (cold, floor) == (ms(row["cold_s"]), ms(row["floor_s"])), row["connector"]
+        if "warm_s" in row:
+            shown = (ms(row["warm_s"]), ms(row["retrieve_s"]), f"{row['retrieve_gbps']:.2f}",
+                     ms(row["runner_save_s"], 0), f"{row['store_gbps']:.2f}")
+            assert (warm, retrieve, retrieve_gbps, saves, store_gbps) == shown, row["connector"]
+
+
+def test_readme_accuracy_tables():
+    """Notebook 04 on the Xeon: every reuse path against recompute, and the damaged KV."""
+    rows = committed("04_accuracy-*xeon*.jsonl")
+    by = {table: {r["path"]: r for r in rows if r["table"] == table} for table in ("generations", "perplexity", "task")}
+    table = readme_table("| path | identical generations |")
+    assert len(table) == len(by["generations"])
+    for path_cell, identical, diffs, reused, perplexity, book_diffs, score in table:
+        path = next(p for p in by["generations"] if path_cell.startswith(p))
+        generations, book, task = by["generations"][path], by["perplexity"][path], by["task"][path]
+        assert identical == f"{generations['identical']}/{generations['prompts']}"
+        assert diffs == f"{generations['max_logprob_diff']:g} / {generations['max_logprob_diff_vs_control']:g}"
+        assert reused.split(" of ")[0] == f"{book['reused_prefix_tokens']:,}"
+        assert perplexity == f"{book['perplexity']:.4f}"
+        assert book_diffs == f"{book['max_logprob_diff']:g} / {book['max_logprob_diff_vs_control']:g}"
+        assert score == f"{task['accuracy']:.3f} ± {task['stderr']:.3f}"
+
+    damages = {"every layer zeroed": "zeroed", "first layer zeroed": "layer0-zeroed",
+               "noise, 1% of each layer's std": "noise-1pct", "noise, 10%": "noise-10pct",
+               "blocks reordered (a permutation)": "block-order",
+               "block id off by one (first block lost)": "block-shift"}
+    sensitivity = {r["damage"]: r for r in rows if r["table"] == "sensitivity" and r["path"] == "KVLab whole-step"}
+    table = readme_table("| damage | generations changed (of 200) |")
+    assert len(table) == len(sensitivity)
+    for label, changed, score, beyond, ratio, change in table:
+        row = sensitivity[damages[label]]
+        assert changed == str(row["changed_generations"])
+        assert score == f"{row['accuracy_undamaged']:.3f} → {row['accuracy']:.3f}"
+        assert beyond == ("yes" if row["beyond_stderr"] else "no")
+        assert first_number(ratio) == as_printed(row["perplexity_ratio"], ratio), label
+        assert change == as_printed(row["max_logprob_change"], change), label
+    zeroed = by["perplexity"]["KVLab whole-step"]
+    assert f"({zeroed['perplexity']:.1f} → {zeroed['perplexity_zeroed_kv']:,.0f})" in table[0][4]
+
+
+def test_readme_serving_targets():
+    """Notebook 03 section 4 (vLLM's own processes): the three targets' table."""
+    from kvlab.experiments.deployed import targets
+
+    rows = committed("03_serving-*.jsonl")
+    by = {r["engine"]: r for r in rows}
+    met = targets(rows)
+    overhead, saves, decode = readme_table("| | KVLabConnector | ExampleConnector | target |")
+    floors = [1e3 * r["floor_s"] for r in rows if "floor_s" in r]
+    assert f"({min(floors):.0f}-{max(floors):.0f} ms)" in overhead[0]
+    assert overhead[1:] == [ms(by["KVLabConnector"]["overhead_s"]), ms(by["ExampleConnector"]["overhead_s"]),
+                            f"ratio {as_printed(met['overhead_vs_example'], overhead[3])} (<= 0.5)"]
+    assert first_number(saves[1]) == as_printed(met["save_ms_per_43.6MiB"], saves[1])
+    assert saves[2] == ms(by["ExampleConnector"]["save_s_per_reference"])
+    assert decode[1] == (f"{by['decode, KVLabConnector']['tokens_per_s']:.1f} tok/s against "
+                         f"{by['decode, no connector']['tokens_per_s']:.1f} without a connector")
+    assert decode[3] == f"ratio {met['decode_ratio']:.2f} (>= 0.95)"
