@@ -260,10 +260,10 @@ PROFILES: dict[str, dict[str, Any]] = {
     "quick": {"models": ["llama-3.1-8b"], "tokens": [256, 1024], "layouts": ["LBHNC", "BLHNC"],
               "methods": ["segments", "gather", "compiled"], "repeats": 9, "chunks": False},
     # notebook 02 in make run's standard profile: every layout and method, a dense model and
-    # MLA, 256 and 1024 tokens; under a minute on 2 cores
+    # MLA, 256 and 1024 tokens, scattered blocks; about a minute on 2 cores
     "standard": {"models": ["llama-3.1-8b", "deepseek-v2-lite"], "tokens": [256],
                  "layouts": ["LBHNC", "LHBNC", "BLHNC", "ascend_kv_tuple"], "methods": ALL_METHODS, "repeats": 5,
-                 "chunks": True, "extra_tokens": [1024]},
+                 "chunks": True, "extra_tokens": [1024], "block_ids": ["scattered"]},
     # the main job on a CPU machine (notebook 02, the paper profile): several minutes on 2 cores
     "full": {"models": ["llama-3.1-8b", "qwen3-8b", "qwen3-30b-a3b", "deepseek-r1-distill-qwen-1.5b",
                         "smollm2-135m", "deepseek-v2-lite"],

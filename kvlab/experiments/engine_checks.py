@@ -114,6 +114,12 @@ class AccuracyReport:
     results: dict[str, dict]
     task_size: int
 
+    def __repr__(self) -> str:
+        """One line, not every token and logprob of every path."""
+        identical = ", ".join(f"{row['path']} {row['identical']}/{row['prompts']}" for row in self.generations())
+        return (f"AccuracyReport({Path(self.check.model).name}, {self.check.dtype}, {len(self.paths)} paths, "
+                f"{self.task_size} problems; generations identical to recompute: {identical})")
+
     def rows(self, path: ReusePath, phase: str | None = None) -> list[dict]:
         return sorted(self.results[path.name]["phases"][phase or path.phase], key=lambda r: r["prompt"])
 

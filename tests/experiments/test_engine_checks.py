@@ -92,6 +92,8 @@ def test_report_compares_each_path_with_recompute_and_the_control() -> None:
     assert all(row["no_worse_than_control"] for row in against_control(mixed))
     with pytest.raises(ValueError, match="no 'vLLM prefix-cache hit' row"):
         against_control(report.generations()[2:])
+    assert repr(report) == ("AccuracyReport(unused, float32, 3 paths, 1 problems; generations identical to recompute: "
+                            "recompute 1/1, vLLM prefix-cache hit 1/1, KVLab whole-step 0/1)")
 
 
 def test_reuse_paths_and_bad_path_lists() -> None:
