@@ -13,8 +13,8 @@ PROFILE ?= standard
 run: env
 	$(PY) -m kvlab notebooks --profile $(PROFILE)
 
-# Two pytest workers: an engine test runs each engine on one core (OMP_NUM_THREADS=1), so two
-# of them fill a 2-core machine; --dist loadgroup keeps a module's shared engine run on one worker.
+# Two pytest workers: the engines the tests start compute on one thread each (OMP_NUM_THREADS=1),
+# so two workers fill a 2-core machine; --dist loadgroup keeps a module's shared engine run on one worker.
 test: env
 	$(PY) -m pytest -n 2 --dist loadgroup --durations=25
 
