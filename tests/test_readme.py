@@ -21,7 +21,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -31,6 +30,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+
+from kvlab.runtime.servers import check_port_free
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -184,9 +185,7 @@ def run_server(block: Block, tmp_path: Path) -> None:
     (command,) = console_commands(block.code)
     url = block.detail.rstrip("/")
     host, port = urlsplit(url).hostname, urlsplit(url).port
-    with socket.socket() as probe:
-        if probe.connect_ex((host, port)) == 0:
-            pytest.fail(f"{url} is taken before README.md:{block.line} starts its server")
+    check_port_free(host, port)  # a clear error naming the port, before anything starts
     log = tmp_path / "server.log"
     with log.open("w") as out:
         server = subprocess.Popen(["bash", "-c", command.command], cwd=ROOT, env=user_env(), stdout=out,
