@@ -2,7 +2,7 @@
 # and `make test`. Both create .venv on first use.
 PY := .venv/bin/python
 
-.PHONY: run test env figures lab
+.PHONY: run test test-extended env figures lab
 env:
 	@bash scripts/setup-env
 
@@ -15,8 +15,12 @@ run: env
 
 # Two pytest workers: the engines the tests start compute on one thread each (OMP_NUM_THREADS=1),
 # so two workers fill a 2-core machine; --dist loadgroup keeps a module's shared engine run on one worker.
+# `make test` is everything but the extended engine suite, which `make test-extended` runs (CI runs both).
 test: env
-	$(PY) -m pytest -n 2 --dist loadgroup --durations=25
+	$(PY) -m pytest -n 2 --dist loadgroup --durations=25 -m "not extended"
+
+test-extended: env
+	$(PY) -m pytest -n 2 --dist loadgroup --durations=25 -m extended
 
 # Redraw every figure from the committed results in data/results (measures nothing).
 figures: env

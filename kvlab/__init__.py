@@ -19,7 +19,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from kvlab.runtime.vllm_cpu import quiet_cpu_triton_notice
+
 __version__ = "0.1.0"
+quiet_cpu_triton_notice()
 
 _EXPORTS = {
     "kvlab.cache": ("ModelGeometry", "preset", "resolve_model", "LAYOUTS", "Layout", "get_layout", "compatible_layouts",

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+# 1 GiB of KV cache per engine (kvlab.runtime.processes.pinned_env): enough for every test's
+# batch, and about 6 s less start-up per engine than the experiments' 2 GiB
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 

@@ -41,6 +41,7 @@ PYTHON = ROOT / ".venv" / "bin" / "python"
 # test would recurse or take an hour.
 SETUP_COMMANDS = {
     "make run": "executes every notebook, measuring for an hour",
+    "make test-extended": "is the extended engine suite of these tests (CI runs it after make test)",
     "make test": "is this test suite: it would recurse",
     "make lab": "starts JupyterLab and waits for a browser",
     "make figures": "redraws every figure from the committed results (the notebooks' tests cover it)",

@@ -11,13 +11,12 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from tqdm.auto import tqdm
-
 from kvlab.experiments.paths import Reuse
 from kvlab.experiments.ttft import run_any_engine
 from kvlab.runtime.engine import CPU_MLA_BLOCK_SIZE, EngineSpec, same_outputs
 from kvlab.runtime.models import model_path
 from kvlab.runtime.processes import failure_line
+from kvlab.runtime.progress import progress
 
 ARCHITECTURE_MODELS = ("smollm2-135m-instruct-fp32", "mini-qwen2", "mini-qwen3-moe", "mini-deepseek-v2")
 # Token ids every vocabulary has: two prompts of 200 and 170 tokens.
@@ -47,7 +46,7 @@ def architecture_rows(models: Sequence[str] = ARCHITECTURE_MODELS, paths: Sequen
     if "lmcache" in paths and lmcache is None:
         raise ValueError("the lmcache path needs a running kvlab.runtime.lmcache.LMCacheServer")
     rows = []
-    for name in tqdm(models, desc="architectures", unit="model"):
+    for name in progress(models, desc="architectures", unit="model"):
         folder = model_path(name)
         config = json.loads((folder / "config.json").read_text())
         mla = bool(config.get("kv_lora_rank"))

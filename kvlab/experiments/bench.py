@@ -6,7 +6,7 @@ ratio of the two medians is robust to a noisy machine in a way absolute GB/s is 
 Results are appended as JSONL (one ``run`` record with the hardware fingerprint, then
 its ``row`` records) and every figure is drawn from those files.
 
-Needs torch only (tqdm when present for progress bars).
+Needs torch only (tqdm when present for progress bars: kvlab.runtime.progress).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -27,6 +27,7 @@ from kvlab.cache.geometry import ModelGeometry, dtype_name, resolve_model
 from kvlab.cache.layouts import check_compatible, get_layout
 from kvlab.cache.segments import contiguous_block_ids, scattered_block_ids
 from kvlab.results import append_results, start_run
+from kvlab.runtime.progress import progress
 from kvlab.transfer.common import copy_stream
 from kvlab.transfer.engine import Transfer, chunk_buffer, host_buffer
 from kvlab.transfer.layerwise import LayerwiseLoad
@@ -35,14 +36,6 @@ from kvlab.transfer.registry import ALL_METHODS, PEERS, method_status
 
 DIRECTIONS = ("offload", "load")
 MAX_SEGMENTS = 65536  # the segments method beyond this takes seconds per call: recorded, not timed
-
-
-def _progress(items: list, description: str) -> Iterable:
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # a bare GPU machine: no progress bar
-        return items
-    return tqdm(items, desc=description, leave=False)
 
 
 class _Clock:
@@ -324,7 +317,7 @@ def run_sweep(configurations: Sequence[Config], device: str | torch.device = "au
     run = start_run(device, out)
     rows = []
     setups: dict[tuple, _Setup] = {}
-    for config in _progress(list(configurations), "transfer sweep"):
+    for config in progress(list(configurations), "transfer sweep", leave=False):
         key = (config.geometry, config.layout, config.tokens, config.block_ids, config.target)
         if key not in setups:
             setups.clear()  # one set of caches at a time: memory stays bounded
@@ -499,7 +492,7 @@ def _layerwise_sweep(models: Sequence[str], sizes: Sequence[int], device: torch.
         check(*case)
     run = start_run(device, out)
     rows = []
-    for case in _progress(cases, description):
+    for case in progress(cases, description, leave=False):
         measured = [{"run_id": run["run_id"], **row} for row in measure(*case)]
         append_results(out, measured)
         rows += measured

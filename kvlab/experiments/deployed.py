@@ -15,10 +15,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from kvlab.experiments.paths import Reuse
 from kvlab.runtime.engine import EngineSpec, check_inputs, run_engine, same_outputs, summarize
+from kvlab.runtime.progress import progress
 
 SAVE_REFERENCE_BYTES = 43.6 * 2**20  # a 2000-token SmolLM2 bf16 prefix: the unit for save blocking
 
@@ -46,7 +45,7 @@ def serving_costs(model: str, prompts: list[list[int]], decode_prompts: list[lis
              ("decode, no connector", EngineSpec(**common, phases=("cold",), max_tokens=decode_tokens), decode_prompts),
              ("decode, KVLabConnector", EngineSpec(**common, connector="kvlab", phases=("cold",),
                                                    max_tokens=decode_tokens), decode_prompts)]
-    results = {name: run_engine(spec, these) for name, spec, these in tqdm(plans, desc="engines", unit="engine")}
+    results = {name: run_engine(spec, these) for name, spec, these in progress(plans, desc="engines", unit="engine")}
     rows = []
     for (name, spec, _), result in zip(plans, results.values()):
         phases = result["phases"]
@@ -92,7 +91,7 @@ def sharing_runs(model: str, prompts: list[list[int]], workdir: str | Path, redi
     if tp_model is not None:
         plans.append(("tensor parallel, 2 ranks", EngineSpec(tp_model, "kvlab", {}, phases=("cold", "warm"),
                                                              tensor_parallel_size=2, **common), tp_prompts or prompts))
-    results = {name: run_engine(spec, these) for name, spec, these in tqdm(plans, desc="engines", unit="engine")}
+    results = {name: run_engine(spec, these) for name, spec, these in progress(plans, desc="engines", unit="engine")}
     first = next(iter(results.values()))
     rows = []
     for (name, spec, _), result in zip(plans, results.values()):

@@ -13,13 +13,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from tqdm.auto import tqdm
-
 from kvlab.experiments.paths import Reuse
 from kvlab.experiments.tasks import GSMTask, GymTask, book_text, text_windows
 from kvlab.experiments.ttft import run_any_engine
 from kvlab.runtime.engine import EngineSpec, check_inputs, run_engine, same_outputs
 from kvlab.runtime.processes import failure_line
+from kvlab.runtime.progress import progress
 
 RECOMPUTE, CONTROL = Reuse.RECOMPUTE.label, Reuse.VLLM_PREFIX_HIT.label
 
@@ -95,7 +94,7 @@ class AccuracyCheck:
         with tempfile.TemporaryDirectory() as tmp:
             workdir = Path(self.workdir or tmp)
             results = {}
-            for path in tqdm(paths, desc="reuse paths", unit="engine"):
+            for path in progress(paths, desc="reuse paths", unit="engine"):
                 spec = EngineSpec(model=self.model, connector=path.connector, extra=dict(path.extra),
                                   prefix_caching=path.prefix_caching, phases=path.phases, dtype=self.dtype,
                                   block_size=self.block_size, max_tokens=self.max_tokens,

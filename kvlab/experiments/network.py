@@ -14,10 +14,10 @@ import time
 from typing import Any, Callable, Sequence
 
 import torch
-from tqdm.auto import tqdm
 
 from kvlab.cache.allocation import KVCache, allocate
 from kvlab.cache.geometry import ModelGeometry
+from kvlab.runtime.progress import progress
 from kvlab.store.chunk import Chunk
 from kvlab.store.keys import signature
 from kvlab.store.tiers import RedisTier, StoreStats
@@ -185,7 +185,7 @@ def redis_prefix_costs(url: str, geometry: ModelGeometry, layouts: Sequence[str]
     block_ids = (2 * torch.randperm(blocks, generator=generator)).tolist()  # every other block: never adjacent
     chunks = [block_ids[i:i + per_chunk] for i in range(0, blocks, per_chunk)]
     rows = []
-    for layout in tqdm(layouts, desc="layouts", unit="layout"):
+    for layout in progress(layouts, desc="layouts", unit="layout"):
         cache = allocate(layout, geometry, 2 * blocks)
         for tensor in cache.storage:
             tensor.view(-1).view(torch.uint8).copy_(torch.randint(0, 256, (tensor.numel() * tensor.element_size(),),

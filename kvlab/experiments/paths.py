@@ -13,19 +13,19 @@ from enum import Enum
 
 
 class Reuse(Enum):
-    """A way of having a prefix's KV: (label, engine connector, colour in figures)."""
+    """A way of having a prefix's KV: (label, engine connector). Figures colour each one
+    the same everywhere (kvlab.plotting.common.PATH_COLOURS)."""
 
-    RECOMPUTE = ("recompute", "none", "#7f7f7f")
-    VLLM_PREFIX_HIT = ("vLLM prefix-cache hit", "none", "#000000")
-    KVLAB_WHOLE_STEP = ("KVLab whole-step", "kvlab", "#1f77b4")
-    KVLAB_LAYERWISE = ("KVLab layerwise", "kvlab", "#1f77b4")
-    LMCACHE = ("LMCache", "lmcache", "#2ca02c")
-    EXAMPLE_CONNECTOR = ("ExampleConnector", "example", "#ff7f0e")
+    RECOMPUTE = ("recompute", "none")
+    VLLM_PREFIX_HIT = ("vLLM prefix-cache hit", "none")
+    KVLAB_WHOLE_STEP = ("KVLab whole-step", "kvlab")
+    KVLAB_LAYERWISE = ("KVLab layerwise", "kvlab")
+    LMCACHE = ("LMCache", "lmcache")
+    EXAMPLE_CONNECTOR = ("ExampleConnector", "example")
 
-    def __init__(self, label: str, connector: str, colour: str) -> None:
+    def __init__(self, label: str, connector: str) -> None:
         self.label = label
         self.connector = connector
-        self.colour = colour
 
     @classmethod
     def of(cls, text: str) -> Reuse | None:
@@ -43,13 +43,3 @@ _NAMES = {path.label: path for path in Reuse} | {
     "no connector": Reuse.RECOMPUTE, "vLLM prefix hit": Reuse.VLLM_PREFIX_HIT, "KVLabConnector": Reuse.KVLAB_WHOLE_STEP,
 }
 
-
-def colour(text: str, default: str = "#9467bd") -> str:
-    """A recorded label's colour in every figure."""
-    path = Reuse.of(text)
-    return path.colour if path is not None else default
-
-
-def connector_colour(connector: str, default: str = "#9467bd") -> str:
-    """The colour of the paths an engine connector ("none", "kvlab", ...) serves."""
-    return next((path.colour for path in Reuse if path.connector == connector), default)

@@ -14,13 +14,13 @@ import itertools
 from typing import Any, Sequence
 
 import torch
-from tqdm.auto import tqdm
 
 from kvlab.cache.allocation import KVCache, address_labels, allocate, allocations
 from kvlab.cache.devices import resolve_device
 from kvlab.cache.geometry import ModelGeometry, dtype_name, parse_dtype
 from kvlab.cache.layouts import Layout, check_compatible, compatible_layouts, get_layout
 from kvlab.cache.segments import check_block_ids
+from kvlab.runtime.progress import progress
 from kvlab.store.chunk import checksum
 from kvlab.transfer.engine import Transfer, chunk_buffer, host_buffer, load, offload
 from kvlab.transfer.layerwise import LayerwiseLoad
@@ -247,7 +247,7 @@ def roundtrip_table(
     sweep = list(itertools.product(layouts, targets, dtypes, methods, paths))
     return [
         roundtrip(layout, geometry, method, dtype, target=target, path=path, seed=seed, device=device)
-        for layout, target, dtype, method, path in tqdm(sweep, desc="KV round trips", leave=False)
+        for layout, target, dtype, method, path in progress(sweep, desc="KV round trips", leave=False)
     ]
 
 

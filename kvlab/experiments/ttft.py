@@ -8,10 +8,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from kvlab.experiments.paths import Reuse
 from kvlab.runtime.engine import EngineSpec, check_inputs, run_engine, same_outputs, summarize
+from kvlab.runtime.progress import progress
 
 
 def run_any_engine(spec: EngineSpec, prompts: list[list[int]], lmcache: Any = None, **options: Any) -> dict:
@@ -76,7 +75,7 @@ def ttft_scenarios(model: str, prompts: list[list[int]], workdir: str | Path, dt
                                                             phases=("cold", *paired("warm"))),
                   {"warm": Reuse.EXAMPLE_CONNECTOR.label}))
     rows, results = [], {}
-    for name, spec, labels in tqdm(plans, desc="engines", unit="engine"):
+    for name, spec, labels in progress(plans, desc="engines", unit="engine"):
         results[name] = run_engine(spec, prompts)
         floor = summarize("floor", results[name], "floor")["median_s"]
         for phase, label in labels.items():
@@ -129,7 +128,7 @@ def connector_comparison(model: str, prompts: list[list[int]], workdir: str | Pa
         plans.append((Reuse.LMCACHE.label, EngineSpec(**common, connector="lmcache", phases=paired)))
     plans.append((Reuse.EXAMPLE_CONNECTOR.label, EngineSpec(**common, connector="example", workdir=str(workdir / "example"),
                                                             phases=paired)))
-    results = {name: run_any_engine(spec, prompts, lmcache) for name, spec in tqdm(plans, desc="connectors", unit="engine")}
+    results = {name: run_any_engine(spec, prompts, lmcache) for name, spec in progress(plans, desc="connectors", unit="engine")}
     plain = results["no connector"]
     rows = []
     for name, result in results.items():

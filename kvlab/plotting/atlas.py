@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 import matplotlib
+import matplotlib.colors
 import matplotlib.patches
 import matplotlib.pyplot as plt
 import matplotlib.ticker
@@ -16,21 +17,28 @@ from kvlab.cache.allocation import address_labels, axis_sizes
 from kvlab.cache.geometry import ModelGeometry
 from kvlab.cache.layouts import Layout, get_layout
 from kvlab.cache.segments import block_segments
-from kvlab.plotting.common import human_bytes
+from kvlab.plotting.common import (BLUE, CYCLE, DEFAULT_WIDTH, MEDIUM, ORANGE, SMALL, figure_width, human_bytes,
+                                   panels, paper_figure, room_for_numbers, unique_legend, wrap)
+from kvlab.plotting.common import title as figure_title
 
 COLOUR_BY = ("layer", "block", "part", "token")
-_CMAPS = {"layer": "tab10", "block": "tab20", "part": None, "token": "viridis"}
-_PART_COLOURS = np.array([[0.12, 0.47, 0.71], [1.0, 0.5, 0.05]])
+_OKABE_ITO = matplotlib.colors.ListedColormap(CYCLE, name="okabe_ito")
+_CMAPS = {"layer": _OKABE_ITO, "block": _OKABE_ITO, "part": None, "token": "viridis"}
+_PART_COLOURS = np.array([matplotlib.colors.to_rgb(BLUE), matplotlib.colors.to_rgb(ORANGE)])
+LEGEND_INCHES = 0.9  # the colour legend right of a map
 
 
-def miniature(geometry: ModelGeometry) -> ModelGeometry:
-    """A few layers, heads and tokens of ``geometry``: small enough to draw every vector."""
-    heads = 1 if geometry.is_mla else min(geometry.num_kv_heads, 2)
+def miniature(geometry: ModelGeometry, layers: int = 4, heads: int = 2, block_size: int = 4) -> ModelGeometry:
+    """A few layers, heads and tokens of ``geometry``: small enough to draw every vector.
+
+    ``layers``, ``heads`` and ``block_size`` are caps (an MLA latent stays one head)."""
+    if min(layers, heads, block_size) < 1:
+        raise ValueError(f"a miniature needs at least one layer, head and token, got {layers}, {heads}, {block_size}")
     return geometry.with_(
         name=f"{geometry.name} (miniature)",
-        num_layers=min(geometry.num_layers, 4),
-        num_kv_heads=heads,
-        block_size=min(geometry.block_size, 4),
+        num_layers=min(geometry.num_layers, layers),
+        num_kv_heads=min(geometry.num_kv_heads, heads),
+        block_size=min(geometry.block_size, block_size),
     )
 
 
@@ -92,58 +100,64 @@ def draw_memory_map(
     if moved_blocks:
         seg = block_segments(layout, geometry, num_blocks, moved_blocks)
         title += f"\n{seg.count} segment{'s' * (seg.count != 1)} for {len(moved_blocks)} blocks"
-    ax.set_title(title, fontsize=9)
+    ax.set_title(title, fontsize=MEDIUM)
 
 
+def _fit_titles(axes: Iterable[plt.Axes], inches: float) -> None:
+    """Map titles in small type, wrapped to their panel's width."""
+    for ax in axes:
+        ax.set_title(wrap(ax.get_title(), inches, SMALL), fontsize=SMALL)
+
+
+@paper_figure
 def memory_map(
     layouts: Iterable[str | Layout],
     geometry: ModelGeometry,
     num_blocks: int = 6,
     moved_blocks: Sequence[int] = (1, 4),
     colour_by: Sequence[str] = COLOUR_BY,
+    width: str | float = DEFAULT_WIDTH,
 ) -> plt.Figure:
     """Layouts side by side (columns), coloured by layer, block, K/V and token (rows)."""
     layouts = [get_layout(layout) for layout in layouts]
-    fig, axes = plt.subplots(
-        len(colour_by), len(layouts), figsize=(2.6 * len(layouts) + 0.8, 2.3 * len(colour_by)), squeeze=False
-    )
+    inches = figure_width(width)
+    panel = (inches - LEGEND_INCHES - 0.3) / len(layouts)
+    fig, axes = plt.subplots(len(colour_by), len(layouts), figsize=(inches, (min(panel, 1.6) + 0.4) * len(colour_by)),
+                             squeeze=False, layout="constrained")
     for row, by in enumerate(colour_by):
         for col, layout in enumerate(layouts):
             draw_memory_map(axes[row, col], layout, geometry, num_blocks, by, moved_blocks)
             if row:
                 axes[row, col].set_title("")
-        axes[row, 0].set_ylabel(f"by {by if by != 'part' else 'K/V'}\n(address →, wraps)", fontsize=9)
-        axes[row, -1].legend(handles=_legend(by, geometry, num_blocks), loc="center left",
-                             bbox_to_anchor=(1.02, 0.5), fontsize=7, frameon=False)
-    fig.suptitle(
-        f"{geometry.name}: {geometry.num_layers} layers, {num_blocks} blocks of {geometry.block_size} tokens, "
-        f"{'one MLA latent' if geometry.is_mla else f'{geometry.num_kv_heads} kv heads'}; "
-        f"one cell = one head vector; blocks {list(moved_blocks)} moved",
-        fontsize=10,
-    )
-    fig.tight_layout()
+        axes[row, 0].set_ylabel(f"by {by if by != 'part' else 'K/V'}")
+        axes[row, -1].legend(handles=_legend(by, geometry, num_blocks), loc="center left", bbox_to_anchor=(1.02, 0.5))
+    _fit_titles(axes[0], panel)
+    figure_title(fig, f"{geometry.name}: {geometry.num_layers} layers, {num_blocks} blocks of {geometry.block_size} "
+                      f"tokens, {'one MLA latent' if geometry.is_mla else f'{geometry.num_kv_heads} kv heads'}; "
+                      f"one cell = one head vector, addresses left to right, wrapping; "
+                      f"blocks {list(moved_blocks)} moved")
     return fig
 
 
-def segment_scaling(rows: Sequence[dict], title: str = "") -> plt.Figure:
+@paper_figure
+def segment_scaling(rows: Sequence[dict], title: str = "", width: str | float = DEFAULT_WIDTH) -> plt.Figure:
     """Segments and mean segment size against tokens moved, a line per layout and block size.
 
     ``rows`` are kvlab.cache.segments.sweep rows.
     """
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (left, right) = panels(2, width, 2.4)
     series: dict[tuple[str, int], list[dict]] = {}
     for row in rows:
         series.setdefault((row["layout"], row["block_size"]), []).append(row)
     layouts = list(dict.fromkeys(k[0] for k in series))
     sizes = sorted({k[1] for k in series})
     styles = ["-", "--", ":", "-."]
-    colours = plt.get_cmap("tab10")
     for (layout, block_size), points in series.items():
         points = sorted(points, key=lambda r: r["tokens"])
         tokens = [p["tokens"] for p in points]
         index = layouts.index(layout)
-        style = dict(color=colours(index % 10), ls=styles[sizes.index(block_size) % 4],
-                     marker="os^vDP*X"[index % 8], ms=7 - index % 4, mfc="none")
+        style = dict(color=CYCLE[index % len(CYCLE)], ls=styles[sizes.index(block_size) % 4],
+                     marker="os^vDP*X"[index % 8], ms=4.5 - 0.5 * (index % 3), mfc="none", lw=1)
         label = f"{layout}, BS={block_size}"
         left.plot(tokens, [p["segments"] for p in points], label=label, **style)
         right.plot(tokens, [p["mean_segment_bytes"] for p in points], label=label, **style)
@@ -154,20 +168,20 @@ def segment_scaling(rows: Sequence[dict], title: str = "") -> plt.Figure:
         ax.set_ylabel(ylabel)
         ax.grid(True, which="major", alpha=0.3)
     right.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: human_bytes(v)))
-    left.legend(fontsize=7, ncol=1)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    unique_legend(fig, [left], loc="outside lower center", ncols=max(1, int(figure_width(width) // 1.6)))
+    figure_title(fig, title)
     return fig
 
 
-def segments_by_layout(rows: Sequence[dict], title: str = "") -> plt.Figure:
+@paper_figure
+def segments_by_layout(rows: Sequence[dict], title: str = "", width: str | float = DEFAULT_WIDTH) -> plt.Figure:
     """Segments (bars, log scale) and segment size (label) for every layout in ``rows``,
     one bar per block size. ``rows`` are kvlab.cache.segments.sweep rows for one token count."""
     layouts = list(dict.fromkeys(r["layout"] for r in rows))
     sizes = sorted({r["block_size"] for r in rows})
     by_key = {(r["layout"], r["block_size"]): r for r in rows}
     height = 0.8 / len(sizes)
-    fig, ax = plt.subplots(figsize=(9, 0.32 * len(layouts) * len(sizes) + 1.2))
+    fig, ax = plt.subplots(figsize=(figure_width(width), 0.18 * len(layouts) * len(sizes) + 1.2), layout="constrained")
     for i, block_size in enumerate(sizes):
         ys = np.arange(len(layouts)) + i * height
         values = [by_key[(name, block_size)]["segments"] for name in layouts]
@@ -175,37 +189,42 @@ def segments_by_layout(rows: Sequence[dict], title: str = "") -> plt.Figure:
         for bar, name in zip(bars, layouts):
             row = by_key[(name, block_size)]
             ax.annotate(f" {row['segments']} x {human_bytes(row['mean_segment_bytes'])}",
-                        (bar.get_width(), bar.get_y() + bar.get_height() / 2), va="center", fontsize=7)
-    ax.set_yticks(np.arange(len(layouts)) + height * (len(sizes) - 1) / 2, layouts, fontsize=8)
+                        (bar.get_width(), bar.get_y() + bar.get_height() / 2), va="center", fontsize=SMALL)
+    ax.set_yticks(np.arange(len(layouts)) + height * (len(sizes) - 1) / 2, layouts)
     ax.invert_yaxis()
     ax.set_xscale("log")
-    ax.set_xlim(0.8, 20 * max(r["segments"] for r in rows))
+    ax.set_xlim(0.8, 1.2 * max(r["segments"] for r in rows))
     ax.set_xlabel("contiguous segments (log)")
-    ax.legend(fontsize=8, loc="lower right")
-    ax.set_title(title, fontsize=10)
-    fig.tight_layout()
+    ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncols=len(sizes))
+    figure_title(fig, title)
+    room_for_numbers(fig, ax, 16)
     return fig
 
 
+@paper_figure
 def atlas(
     layouts: Sequence[str | Layout],
     geometry: ModelGeometry,
     by: str = "layer",
     num_blocks: int = 6,
     moved_blocks: Sequence[int] = (1, 4),
-    columns: int = 6,
+    columns: int | None = None,
+    width: str | float = DEFAULT_WIDTH,
 ) -> plt.Figure:
-    """Every layout on one page, coloured by one property: the whole atlas at a glance."""
+    """Every layout on one page, coloured by one property: the whole atlas at a glance
+    (``columns``: maps per row, default as many as the width holds)."""
     layouts = [get_layout(layout) for layout in layouts]
+    inches = figure_width(width)
+    columns = columns or max(1, int((inches - LEGEND_INCHES) // 1.15))
+    panel = (inches - LEGEND_INCHES) / columns
     rows = -(-len(layouts) // columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(2.4 * columns + 1, 2.5 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, columns, figsize=(inches, (min(panel, 1.6) + 0.35) * rows), squeeze=False,
+                             layout="constrained")
     for ax, layout in zip(axes.flat, layouts):
         draw_memory_map(ax, layout, geometry, num_blocks, by, moved_blocks)
-        ax.set_title(ax.get_title(), fontsize=7)
+    _fit_titles(axes.flat, panel)
     for ax in list(axes.flat)[len(layouts):]:
         ax.axis("off")
-    axes[0, -1].legend(handles=_legend(by, geometry, num_blocks), loc="upper left",
-                       bbox_to_anchor=(1.02, 1.0), fontsize=7, frameon=False)
-    fig.suptitle(f"{geometry.name}: every layout, coloured by {by}; blocks {list(moved_blocks)} moved", fontsize=10)
-    fig.tight_layout()
+    axes[0, -1].legend(handles=_legend(by, geometry, num_blocks), loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    figure_title(fig, f"{geometry.name}: every layout, coloured by {by}; blocks {list(moved_blocks)} moved")
     return fig

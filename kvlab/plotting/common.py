@@ -1,12 +1,163 @@
-"""What every figure shares: byte counts for people, row-labelled tables, and saving for
-papers (PNG + SVG, byte-reproducible)."""
+"""What every figure shares: sizes for a paper's single or double column, one colour-blind
+safe palette (Okabe-Ito's eight colours) with one colour per copy method and per reuse path
+across all figures, machine names for legends, legends without repeats, and saving for
+papers (PNG, SVG and PDF with embedded fonts, byte-reproducible)."""
 
 from __future__ import annotations
 
+import functools
+import re
+import textwrap
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Collection, Iterable, Sequence
 
 import matplotlib.pyplot as plt
+from cycler import cycler
+
+from kvlab.experiments.paths import Reuse
+from kvlab.transfer.registry import method_colours
+
+# Widths a figure is drawn at, in inches: text in points then prints at its size when the
+# figure is placed at that width (one column of a two-column paper, or both columns).
+WIDTHS = {"single": 3.3, "double": 7.0}
+DEFAULT_WIDTH = "double"
+
+# Font sizes in points, the smallest readable in print.
+SMALL = 7  # tick labels, legends, numbers on bars, footers
+MEDIUM = 8  # axis labels, panel titles
+LARGE = 9  # figure titles
+
+# Okabe & Ito's colour-blind safe palette, plus greys for what is not data.
+BLACK, ORANGE, SKY_BLUE, GREEN = "#000000", "#E69F00", "#56B4E9", "#009E73"
+YELLOW, BLUE, VERMILLION, PURPLE = "#F0E442", "#0072B2", "#D55E00", "#CC79A7"
+GREY, LIGHT_GREY = "#999999", "#DDDDDD"
+CYCLE = (BLUE, ORANGE, GREEN, VERMILLION, PURPLE, SKY_BLUE, YELLOW, BLACK)
+
+# One colour per copy method in every figure: its registry entry's (kvlab/transfer/methods
+# register kvlab's own in this palette; a method registered elsewhere brings its own).
+# One colour per way of having a prefix's KV (kvlab.experiments.paths): LMCache and vLLM
+# take their copy methods' colours, KVLab the colour of its default method (gather).
+PATH_COLOURS = {Reuse.RECOMPUTE: GREY, Reuse.VLLM_PREFIX_HIT: BLACK, Reuse.KVLAB_WHOLE_STEP: BLUE,
+                Reuse.KVLAB_LAYERWISE: BLUE, Reuse.LMCACHE: ORANGE, Reuse.EXAMPLE_CONNECTOR: PURPLE}
+OTHER_PATH = SKY_BLUE  # a label no path claims
+# Per-layer against cross-layer layouts, wherever a figure tells them apart.
+PER_LAYER, CROSS_LAYER = SKY_BLUE, GREEN
+
+PAPER_RC = {
+    "font.size": MEDIUM, "axes.titlesize": MEDIUM, "axes.labelsize": MEDIUM, "xtick.labelsize": SMALL,
+    "ytick.labelsize": SMALL, "legend.fontsize": SMALL, "legend.title_fontsize": SMALL, "figure.titlesize": LARGE,
+    "axes.prop_cycle": cycler(color=CYCLE), "axes.linewidth": 0.6, "lines.linewidth": 1.2, "lines.markersize": 4,
+    "xtick.major.width": 0.6, "ytick.major.width": 0.6, "hatch.linewidth": 0.6, "legend.frameon": False,
+}
+# Applied when saving: fonts embedded as TrueType (editable, accepted by publishers), SVG
+# glyph ids from a fixed salt, so the same figure gives the same bytes.
+SAVE_RC = {"pdf.fonttype": 42, "ps.fonttype": 42, "svg.fonttype": "path", "svg.hashsalt": "kvlab"}
+FORMATS = ("png", "svg", "pdf")
+
+
+def figure_width(width: str | float) -> float:
+    """Inches for ``width``: "single" (one column), "double" (both), or inches."""
+    if isinstance(width, str):
+        if width not in WIDTHS:
+            raise ValueError(f"width is one of {list(WIDTHS)} or inches, not {width!r}")
+        return WIDTHS[width]
+    if not 1 <= width <= 20:
+        raise ValueError(f"a figure width of {width} inches is not a page's; give 1 to 20 inches or {list(WIDTHS)}")
+    return float(width)
+
+
+def paper_figure(draw: Callable[..., plt.Figure]) -> Callable[..., plt.Figure]:
+    """Draw a figure function's figure in the paper style (font sizes in points, the
+    palette), including the tick labels matplotlib makes later, when the figure is shown."""
+
+    @functools.wraps(draw)
+    def drawn(*args, **kwargs) -> plt.Figure:
+        with plt.rc_context(PAPER_RC):
+            fig = draw(*args, **kwargs)
+        for ax in fig.axes:
+            ax.tick_params(which="both", labelsize=SMALL)
+        return fig
+
+    return drawn
+
+
+def panels(count: int, width: str | float, panel_height: float, sharey: bool = False,
+           min_panel_width: float = 2.2) -> tuple[plt.Figure, list[plt.Axes]]:
+    """``count`` panels side by side where the width gives each ``min_panel_width`` inches,
+    else stacked (one column), each ``panel_height`` inches tall."""
+    inches = figure_width(width)
+    across = inches / count >= min_panel_width
+    rows, columns = (1, count) if across else (count, 1)
+    fig, axes = plt.subplots(rows, columns, figsize=(inches, panel_height * rows), sharey=sharey, squeeze=False,
+                             layout="constrained")
+    return fig, list(axes.flat)
+
+
+def wrap(text: str, inches: float, size: float = MEDIUM) -> str:
+    """``text`` broken into lines that fit ``inches`` at ``size`` points (DejaVu Sans)."""
+    columns = max(int(inches * 72 / (0.6 * size)), 10)
+    return "\n".join(textwrap.fill(line, columns, break_long_words=False, break_on_hyphens=False)
+                     for line in text.split("\n"))
+
+
+def title(fig: plt.Figure, text: str) -> None:
+    """The figure's title, wrapped to its width."""
+    if text:
+        fig.suptitle(wrap(text, fig.get_figwidth(), LARGE), fontsize=LARGE)
+
+
+def method_colour(method: str) -> str:
+    return method_colours().get(method, GREY)
+
+
+def path_colour(label: str) -> str:
+    """The colour of the path a recorded label names (kvlab.experiments.paths.Reuse.of)."""
+    path = Reuse.of(label)
+    return PATH_COLOURS[path] if path is not None else OTHER_PATH
+
+
+def connector_colour(connector: str) -> str:
+    """The colour of the paths an engine connector ("none", "kvlab", ...) serves."""
+    return next((PATH_COLOURS[path] for path in Reuse if path.connector == connector), OTHER_PATH)
+
+
+def short_hardware(hardware: str | None) -> str:
+    """A machine's name for a legend: "cpu: Intel(R) Xeon(R) Processor (2 cores)" reads
+    "cpu: Intel Xeon (2 cores)", "cuda: NVIDIA H200" reads "cuda: H200"."""
+    if not hardware:
+        return "this machine"
+    name = re.sub(r"\((R|TM)\)|\b(CPU|Processor|NVIDIA|\d+-Core)\b|@ *[\d.]+ *GHz", " ", hardware)
+    return re.sub(r"\s+", " ", name).replace("( ", "(").replace(" )", ")").replace(" :", ":").strip()
+
+
+def with_hardware(label: str, hardware: str | None, machines: Collection[str | None]) -> str:
+    """``label`` naming its machine when the figure shows several (with one, the legend's
+    title names it: see :func:`machine_title`)."""
+    return f"{label}, {short_hardware(hardware)}" if len(set(machines)) > 1 else label
+
+
+def machine_title(machines: Collection[str | None]) -> str | None:
+    """The one machine a figure shows, for its legend's title (None when it shows several)."""
+    machines = set(machines)
+    return short_hardware(next(iter(machines))) if len(machines) == 1 else None
+
+
+def unique_legend(where: plt.Axes | plt.Figure, axes: Iterable[plt.Axes] | None = None, **kwargs):
+    """A legend on ``where`` naming each label of ``axes``' artists (default: ``where``'s
+    own axes) once, in the order first drawn."""
+    axes = list(axes) if axes is not None else (where.axes if isinstance(where, plt.Figure) else [where])
+    unique = {}
+    for ax in axes:
+        handles, labels = ax.get_legend_handles_labels()
+        for handle, label in zip(handles, labels):
+            unique.setdefault(label, handle)
+    return where.legend(list(unique.values()), list(unique), **kwargs) if unique else None
+
+
+def legend_labels(fig: plt.Figure) -> list[str]:
+    """Every label of every legend in ``fig`` (the figure's and its axes')."""
+    legends = list(fig.legends) + [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
+    return [text.get_text() for legend in legends for text in legend.get_texts()]
 
 
 def human_bytes(n: float) -> str:
@@ -24,20 +175,29 @@ def provenance(rows: Iterable[dict]) -> str:
     return "measured on " + "; ".join(f"{hardware}, {profile} profile" for hardware, profile in runs)
 
 
-def save_figure(fig: plt.Figure, name: str, figures_dir: str | Path, formats: Sequence[str] = ("png", "svg"),
+def save_figure(fig: plt.Figure, name: str, figures_dir: str | Path, formats: Sequence[str] = FORMATS,
                 source: Iterable[dict] | None = None) -> list[Path]:
-    """Save ``fig`` as ``figures_dir/name.{png,svg}`` (PNG for reading, SVG/PDF for papers).
-    With ``source`` (the result rows drawn), a footer names their machines and profiles."""
-    if source is not None:
-        fig.text(0.995, 0.0, provenance(source), ha="right", va="top", fontsize=6, color="0.35")
+    """Save ``fig`` as ``figures_dir/name.{png,svg,pdf}`` (PNG for reading, SVG and PDF for
+    papers), the same bytes for the same figure (clean git diffs). With ``source`` (the
+    result rows drawn), a footer names their machines and profiles."""
+    unknown = set(formats) - set(FORMATS)
+    if unknown:
+        raise ValueError(f"save_figure writes {FORMATS}, not {sorted(unknown)}")
+    fig.canvas.draw()  # laid out, then kept so: saving crops the figure, and a legend placed
+    fig.set_layout_engine("none")  # on the figure's edge would move with the crop
+    for legend in fig.legends:
+        legend.set_bbox_to_anchor((0, 0, 1, 1), transform=fig.transFigure)
+    if source is not None:  # below everything drawn
+        bottom = fig.get_tightbbox(fig.canvas.get_renderer()).y0 / fig.get_figheight()
+        fig.text(0.995, min(bottom, 0.0), wrap(provenance(source), fig.get_figwidth(), SMALL), ha="right", va="top",
+                 fontsize=SMALL, color="0.35")
     figures_dir = Path(figures_dir)
     figures_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for fmt in formats:
         path = figures_dir / f"{name}.{fmt}"
-        # A fixed SVG id salt and no dates: the same data gives the same bytes (clean git diffs).
-        with plt.rc_context({"svg.hashsalt": "kvlab"}):
-            fig.savefig(path, dpi=150, bbox_inches="tight",
+        with plt.rc_context(SAVE_RC):
+            fig.savefig(path, dpi=300, bbox_inches="tight", pad_inches=0.03,
                         metadata={"svg": {"Date": None}, "pdf": {"CreationDate": None}}.get(fmt))
         paths.append(path)
     return paths
@@ -47,10 +207,26 @@ def _ok(rows: Iterable[dict], **match) -> list[dict]:
     return [r for r in rows if r.get("status") == "ok" and all(r.get(k) == v for k, v in match.items())]
 
 
-def _rows_labelled(fig: plt.Figure, ax: plt.Axes, labels: Sequence[str], title: str) -> plt.Figure:
-    """Name the horizontal bars top to bottom (shared y axis) and finish the figure."""
-    ax.set_yticks(range(len(labels)), labels, fontsize=7)
-    ax.invert_yaxis()
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
+def room_for_numbers(fig: plt.Figure, ax: plt.Axes, chars: int) -> None:
+    """Widen ``ax``'s x range so numbers of ``chars`` characters written right of its
+    longest bar stay inside it (on a log scale too)."""
+    fig.get_layout_engine().execute(fig)
+    share = min(chars * 0.6 * SMALL / (ax.get_window_extent().width * 72 / fig.dpi), 0.6)
+    low, high = ax.get_xlim()
+    if ax.get_xscale() == "log":
+        ax.set_xlim(low, high * (high / low) ** (share / (1 - share)))
+    else:
+        ax.set_xlim(low, high + (high - low) * share / (1 - share))
+
+
+def _rows_labelled(fig: plt.Figure, axes: Sequence[plt.Axes], labels: Sequence[str], title_text: str,
+                   room: Sequence[int] = ()) -> plt.Figure:
+    """Finish panels of horizontal bars sharing their rows (``sharey``): row labels wrapped to
+    a third of the figure's width, the first row on top, the title, and on each panel room
+    for numbers of ``room[i]`` characters right of the bars."""
+    axes[0].set_yticks(range(len(labels)), [wrap(label, fig.get_figwidth() / 3, SMALL) for label in labels])
+    axes[0].invert_yaxis()
+    title(fig, title_text)
+    for ax, chars in zip(axes, room):
+        room_for_numbers(fig, ax, chars)
     return fig

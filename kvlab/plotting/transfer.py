@@ -1,109 +1,184 @@
 """Figures of notebook 02: transfer timing against the same-run copy ceiling, bandwidth,
 the fitted cost model, break-even segment sizes, layerwise loading, machines side by side.
-Every copy method keeps the colour its registry entry gives it."""
+Every copy method keeps its colour (its registry entry's, common.method_colour) and every series names its
+machine where a figure shows more than one."""
 
 from __future__ import annotations
 
 from typing import Sequence
 
-import matplotlib
 import matplotlib.patches
 import matplotlib.pyplot as plt
 import matplotlib.ticker
 import numpy as np
 
-from kvlab.plotting.common import _ok, human_bytes
-from kvlab.transfer.registry import get_method, method_colours
+from kvlab.plotting.common import (CROSS_LAYER, DEFAULT_WIDTH, PER_LAYER, SMALL, _ok, figure_width, human_bytes,
+                                   machine_title, method_colour, panels, paper_figure, short_hardware, title,
+                                   unique_legend, with_hardware, wrap)
+from kvlab.transfer.registry import ALL_METHODS, get_method
+
+DIRECTION_STYLES = {"offload": "-", "load": "--"}
+MARKERS = "os^Dv"
 
 
+def _one_machine(rows: list[dict], hardware: str | None) -> tuple[list[dict], str | None]:
+    """The rows of ``hardware`` (default: the first machine in ``rows``) and its name."""
+    machines = list(dict.fromkeys(r.get("hardware") for r in rows))
+    hardware = hardware if hardware is not None else (machines[0] if machines else None)
+    if rows and hardware not in machines:
+        raise ValueError(f"no rows measured on {hardware!r}; these rows are from {machines}")
+    return [r for r in rows if r.get("hardware") == hardware], hardware
+
+
+def _legend_columns(inches: float, labels: int, label_inches: float = 1.0) -> int:
+    return max(1, min(labels, int(inches // label_inches)))
+
+
+def _label_bars(fig: plt.Figure, ax: plt.Axes, bars: list[tuple[float, float, float, str]]) -> bool:
+    """Write each (x, top, width, text) above its bar, horizontal where the text fits the
+    bar's width, upright where only its height does, not at all where neither does (say
+    so in the title). Returns whether any was written."""
+    fig.get_layout_engine().execute(fig)  # the bars' final widths on the page
+    points_per_unit = (ax.transData.transform((1, 0))[0] - ax.transData.transform((0, 0))[0]) * 72 / fig.dpi
+    written = False
+    for x, top, bar, text in bars:
+        across = bar * points_per_unit
+        if len(text) * 0.6 * SMALL <= across:
+            ax.text(x, top + 0.02, text, ha="center", va="bottom", fontsize=SMALL)
+        elif SMALL <= across:
+            ax.text(x, top + 0.02, text, ha="center", va="bottom", fontsize=SMALL, rotation=90)
+        else:
+            continue
+        written = True
+    return written
+
+
+@paper_figure
 def transfer_ratios(rows: Sequence[dict], model: str, tokens: int, block_ids: str = "scattered",
-                    target: str = "host") -> plt.Figure:
-    """Each layout x method as a share of the copy ceiling measured beside it, per direction;
-    whiskers span the repeats' quartiles and hatched bars are flagged as noise."""
-    chosen = _ok(rows, model=model, tokens=tokens, block_ids=block_ids, target=target)
+                    target: str = "host", width: str | float = DEFAULT_WIDTH,
+                    hardware: str | None = None) -> plt.Figure:
+    """Each layout x method as a share of the copy ceiling measured beside it, per direction,
+    on one machine (``hardware``, default the first in ``rows``); whiskers span the repeats'
+    quartiles, hatched bars are flagged as noise, numbers are GB/s where they fit."""
+    chosen, hardware = _one_machine(_ok(rows, model=model, tokens=tokens, block_ids=block_ids, target=target),
+                                    hardware)
     layouts = list(dict.fromkeys(r["layout"] for r in chosen))
-    colours = method_colours()
-    methods = [m for m in colours if any(r["method"] == m for r in chosen)]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.6), sharey=True)
-    width = 0.8 / max(len(methods), 1)
+    methods = [m for m in ALL_METHODS if any(r["method"] == m for r in chosen)]
+    methods += [m for m in dict.fromkeys(r["method"] for r in chosen) if m not in methods]  # since unregistered
+    fig, axes = panels(2, width, 2.2, sharey=True)
+    bar = 0.8 / max(len(methods), 1)
+    numbers: dict[plt.Axes, list[tuple[float, float, float, str]]] = {ax: [] for ax in axes}
     for ax, direction in zip(axes, ("offload", "load")):
         for j, method in enumerate(methods):
             for i, layout in enumerate(layouts):
-                hit = [r for r in chosen if r["layout"] == layout and r["method"] == method and r["direction"] == direction]
+                hit = [r for r in chosen
+                       if r["layout"] == layout and r["method"] == method and r["direction"] == direction]
                 if hit:
                     r = hit[0]
                     spread = ([[r["ratio"] - r["ratio_q1"]], [r["ratio_q3"] - r["ratio"]]]
                               if "ratio_q1" in r else None)  # the repeats' quartiles, where recorded
-                    ax.bar(i + j * width, r["ratio"], width, color=colours[method], label=get_method(method).legend,
-                           yerr=spread, error_kw={"lw": 0.6, "capsize": 1.5}, hatch="//" if r.get("noisy") else None)
-                    ax.text(i + j * width, r["ratio"] + 0.02, f"{r['gbps']:.1f}", ha="center", fontsize=6, rotation=90)
+                    legend = get_method(method).legend if method in ALL_METHODS else method
+                    ax.bar(i + j * bar, r["ratio"], bar, color=method_colour(method), label=legend,
+                           yerr=spread, error_kw={"lw": 0.6, "capsize": 1.5, "ecolor": "0.4"},
+                           hatch="//" if r.get("noisy") else None, edgecolor="white", linewidth=0.3)
+                    top = r["ratio_q3"] if "ratio_q3" in r else r["ratio"]
+                    numbers[ax].append((i + j * bar, top, bar, f"{r['gbps']:.1f}"))
         ax.axhline(1.0, color="black", lw=0.8, ls="--")
-        ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(layouts))], layouts, fontsize=8)
-        ax.set_title(f"{direction} ({'device to host' if direction == 'offload' else 'host to device'})", fontsize=9)
-        ax.set_ylim(0, 1.25)
-    axes[0].set_ylabel("share of the copy ceiling (1 = one big memcpy)")
-    handles, labels = axes[0].get_legend_handles_labels()
-    unique = dict(zip(labels, handles))
-    axes[1].legend(unique.values(), unique.keys(), fontsize=7, loc="upper right")
-    hardware = chosen[0].get("hardware", "this machine") if chosen else ""
-    fig.suptitle(f"{model}: {tokens} tokens, {block_ids} blocks ({hardware}); numbers are GB/s", fontsize=9)
-    fig.tight_layout()
+        ax.set_xticks([i + bar * (len(methods) - 1) / 2 for i in range(len(layouts))], layouts)
+        ax.set_title(f"{direction} ({'device to host' if direction == 'offload' else 'host to device'})")
+        ax.set_ylim(0, 1.3)
+        ax.set_ylabel("share of ceiling")
+    if any(r.get("noisy") for r in chosen):
+        axes[0].add_patch(matplotlib.patches.Rectangle((0, 0), 0, 0, facecolor="white", edgecolor="black",
+                                                       hatch="//", label="noisy"))
+    inches = figure_width(width)
+    unique_legend(fig, axes, loc="outside lower center", ncols=_legend_columns(inches, len(methods) + 1, 0.9))
+    fig.get_layout_engine().execute(fig)
+    group = (axes[0].transData.transform((1, 0))[0] - axes[0].transData.transform((0, 0))[0]) * 72 / fig.dpi
+    if max((len(name) for name in layouts), default=0) * 0.6 * SMALL > group:
+        for ax in axes:
+            ax.tick_params(axis="x", labelrotation=30)
+            plt.setp(ax.get_xticklabels(), ha="right", rotation_mode="anchor")
+    labelled = [_label_bars(fig, ax, numbers[ax]) for ax in axes]
+    title(fig, f"{model}: {tokens} tokens, {block_ids} blocks ({short_hardware(hardware)}); 1 = one big memcpy"
+               + ("; numbers: GB/s" if any(labelled) else ""))
     return fig
 
 
-def bandwidth_vs_tokens(rows: Sequence[dict], model: str, method: str, block_ids: str = "scattered") -> plt.Figure:
-    """GB/s against tokens moved for each layout, with the ceiling measured beside it."""
-    chosen = _ok(rows, model=model, method=method, block_ids=block_ids, target="host")
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.4), sharey=True)
+@paper_figure
+def bandwidth_vs_tokens(rows: Sequence[dict], model: str, method: str, block_ids: str = "scattered",
+                        width: str | float = DEFAULT_WIDTH, hardware: str | None = None) -> plt.Figure:
+    """GB/s against tokens moved for each layout, with the ceiling measured beside it, on one
+    machine (``hardware``, default the first in ``rows``)."""
+    chosen, hardware = _one_machine(_ok(rows, model=model, method=method, block_ids=block_ids, target="host"),
+                                    hardware)
+    fig, axes = panels(2, width, 2.2, sharey=True)
+    layouts = list(dict.fromkeys(r["layout"] for r in chosen))
     for ax, direction in zip(axes, ("offload", "load")):
         picked = [r for r in chosen if r["direction"] == direction]
-        for layout in dict.fromkeys(r["layout"] for r in picked):
+        for k, layout in enumerate(layouts):
             line = sorted((r["tokens"], r["gbps"]) for r in picked if r["layout"] == layout)
-            ax.plot(*zip(*line), marker="o", label=layout)
+            if line:
+                ax.plot(*zip(*line), marker=MARKERS[k % len(MARKERS)], label=layout,
+                        color=f"C{k % 8}")
         ceiling = sorted({(r["tokens"], r["ceiling_gbps"]) for r in picked})
         if ceiling:
             ax.plot(*zip(*ceiling), ls=":", color="black", label="ceiling (same run)")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens moved")
-        ax.set_title(direction, fontsize=9)
-    axes[0].set_ylabel("GB/s")
-    axes[1].legend(fontsize=7)
-    fig.suptitle(f"{model}, method {method}, {block_ids} blocks", fontsize=9)
-    fig.tight_layout()
+        ax.set_ylabel("GB/s")
+        ax.set_title(direction)
+    unique_legend(fig, axes, loc="outside lower center", ncols=_legend_columns(figure_width(width), len(layouts) + 1))
+    title(fig, f"{model}, method {method}, {block_ids} blocks ({short_hardware(hardware)})")
     return fig
 
 
-def cost_model_figure(predicted: Sequence[dict]) -> plt.Figure:
-    """Predicted against measured time for every row, per method; the diagonal is a perfect model."""
-    fig, ax = plt.subplots(figsize=(5.2, 4.6))
-    for method in dict.fromkeys(r["method"] for r in predicted):
-        rows = [r for r in predicted if r["method"] == method]
+@paper_figure
+def cost_model_figure(predicted: Sequence[dict], width: str | float = DEFAULT_WIDTH) -> plt.Figure:
+    """Predicted against measured time for every row, per machine, method and direction
+    (hollow markers: a second machine); the diagonal is a perfect model."""
+    inches = figure_width(width)
+    fig, ax = plt.subplots(figsize=(inches, min(0.75 * inches, 3.6)), layout="constrained")
+    machines = list(dict.fromkeys(r.get("hardware") for r in predicted))
+    for hardware, method in dict.fromkeys((r.get("hardware"), r["method"]) for r in predicted):
+        rows = [r for r in predicted if r.get("hardware") == hardware and r["method"] == method]
+        hollow = machines.index(hardware) > 0
         for direction, marker in (("offload", "o"), ("load", "^")):
             picked = [r for r in rows if r["direction"] == direction]
             if picked:
                 error = 100 * sum(abs(r["error"]) for r in picked) / len(picked)
-                ax.scatter([r["seconds"] * 1e3 for r in picked], [r["predicted_s"] * 1e3 for r in picked], s=12,
-                           marker=marker, color=method_colours().get(method), alpha=0.7,
-                           label=f"{method} {direction} (mean error {error:.0f}%)")
+                colour = method_colour(method)
+                ax.scatter([r["seconds"] * 1e3 for r in picked], [r["predicted_s"] * 1e3 for r in picked], s=10,
+                           marker=marker, facecolors="none" if hollow else colour, edgecolors=colour, alpha=0.8,
+                           linewidths=0.8, label=with_hardware(f"{method} {direction} ({error:.0f}% error)",
+                                                               hardware, machines))
     low, high = ax.get_xlim()
     ax.plot([low, high], [low, high], color="black", lw=0.8)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("measured (ms)")
-    ax.set_ylabel("predicted: segments x cost + bytes / bandwidth (ms)")
-    ax.legend(fontsize=6)
-    fig.tight_layout()
+    ax.set_ylabel(wrap("predicted: segments x cost + bytes / bandwidth (ms)", 0.75 * min(0.75 * inches, 3.6)))
+    unique_legend(fig, [ax], loc="outside right upper" if inches >= 5 else "outside lower center",
+                  title=machine_title(machines), ncols=1 if inches >= 5 else _legend_columns(inches, 8, 1.6))
     return fig
 
 
-def break_even_figure(fits: Sequence, num_layers: int, tolerance: float = 0.1) -> plt.Figure:
-    """Per-layer over cross-layer time against the per-layer segment size, per fitted model."""
+@paper_figure
+def break_even_figure(fits: Sequence, num_layers: int, tolerance: float = 0.1,
+                      width: str | float = DEFAULT_WIDTH) -> plt.Figure:
+    """Per-layer over cross-layer time against the per-layer segment size, per fitted model
+    (kvlab.experiments.costmodel.CostFit): colour the method, dashes the direction, markers
+    the machine where there are several."""
+    inches = figure_width(width)
     sizes = np.logspace(10, 24, 60, base=2)
-    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    fig, ax = plt.subplots(figsize=(inches, 2.6), layout="constrained")
+    machines = list(dict.fromkeys(f.hardware for f in fits))
     for f in fits:
         ratio = [f.predict(1 / s, 1) / f.predict(1 / (num_layers * s), 1) for s in sizes]
-        line, = ax.plot(sizes, ratio, label=f"{f.hardware.split(':')[0]} {f.method} {f.direction}",
-                        color=method_colours().get(f.method), ls="-" if f.direction == "offload" else "--")
+        line, = ax.plot(sizes, ratio, label=with_hardware(f"{f.method} {f.direction}", f.hardware, machines),
+                        color=method_colour(f.method), ls=DIRECTION_STYLES.get(f.direction, ":"),
+                        marker=MARKERS[machines.index(f.hardware) % len(MARKERS)] if len(machines) > 1 else None,
+                        markevery=(3, 8), ms=3)
         even = f.break_even_segment_bytes(num_layers, tolerance)
         if even:
             ax.axvline(even, color=line.get_color(), lw=0.6, ls=line.get_linestyle())
@@ -111,57 +186,69 @@ def break_even_figure(fits: Sequence, num_layers: int, tolerance: float = 0.1) -
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: human_bytes(v)))
-    ax.set_xlabel("per-layer segment size (cross-layer segments are L times larger)")
-    ax.set_ylabel("per-layer time / cross-layer time")
-    ax.set_title(f"{num_layers} layers; vertical lines: per-layer within {tolerance:.0%} of cross-layer", fontsize=9)
-    ax.legend(fontsize=6)
-    fig.tight_layout()
+    ax.set_xlabel(wrap("per-layer segment size (cross-layer segments are L times larger)", inches - 0.6))
+    ax.set_ylabel("per-layer / cross-layer time")
+    ax.set_title(wrap(f"{num_layers} layers; vertical lines: per-layer within {tolerance:.0%} of cross-layer",
+                      inches - 0.6))
+    unique_legend(fig, [ax], loc="outside lower center", title=machine_title(machines),
+                  ncols=_legend_columns(inches, len(fits), 1.6 if len(machines) == 1 else 3.2))
     return fig
 
 
-def layerwise_figure(rows: Sequence[dict]) -> plt.Figure:
+@paper_figure
+def layerwise_figure(rows: Sequence[dict], width: str | float = DEFAULT_WIDTH) -> plt.Figure:
     """Speed-up of layer-by-layer loading overlapped with compute over load-then-compute."""
-    fig, ax = plt.subplots(figsize=(6.5, 3.8))
-    for key in dict.fromkeys((r["hardware"], r["model"], r["tokens"]) for r in rows):
+    inches = figure_width(width)
+    fig, ax = plt.subplots(figsize=(inches, 2.6), layout="constrained")
+    series = list(dict.fromkeys((r["hardware"], r["model"], r["tokens"]) for r in rows))
+    machines = [hardware for hardware, _, _ in series]
+    for k, key in enumerate(series):
         picked = sorted((r["intensity"], r["speedup"], r["ideal_speedup"]) for r in rows
                         if (r["hardware"], r["model"], r["tokens"]) == key)
         x, speedup, ideal = zip(*picked)
-        line, = ax.plot(x, speedup, marker="o", label=f"{key[1].split('/')[-1]}, {key[2]} tokens ({key[0].split(':')[0]})")
+        label = with_hardware(f"{key[1].split('/')[-1]}, {key[2]} tokens", key[0], machines)
+        line, = ax.plot(x, speedup, marker="o", label=label, color=f"C{k % 8}")
         ax.plot(x, ideal, ls=":", color=line.get_color())
     ax.axhline(1, color="black", lw=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("compute per layer / load per layer")
-    ax.set_ylabel("load-then-compute time / layerwise time")
-    ax.set_title("layerwise loading (dotted: perfect overlap)", fontsize=9)
-    ax.legend(fontsize=6)
-    fig.tight_layout()
+    ax.set_ylabel(wrap("load-then-compute / layerwise time", 2.2))
+    ax.set_title("layerwise loading (dotted: perfect overlap)")
+    unique_legend(fig, [ax], loc="outside lower center", title=machine_title(machines),
+                  ncols=_legend_columns(inches, len(series), 2.4))
     return fig
 
 
-def hardware_figure(rows: Sequence[dict], model: str, tokens: int) -> plt.Figure:
+@paper_figure
+def hardware_figure(rows: Sequence[dict], model: str, tokens: int, width: str | float = DEFAULT_WIDTH) -> plt.Figure:
     """Per-layer against cross-layer on every machine with results: the best method's share of
-    that machine's ceiling, each labelled with its hardware."""
+    that machine's ceiling (hatched: loads), each row of bars labelled with its machine."""
+    inches = figure_width(width)
     chosen = _ok(rows, model=model, tokens=tokens, block_ids="scattered", target="host")
     machines = list(dict.fromkeys(r["hardware"] for r in chosen))
-    fig, ax = plt.subplots(figsize=(7, 0.9 + 0.9 * max(len(machines), 1)))
+    fig, ax = plt.subplots(figsize=(inches, 1.2 + 1.1 * max(len(machines), 1)), layout="constrained")
     bars = [("per-layer", False, "offload"), ("per-layer", False, "load"), ("cross-layer", True, "offload"),
             ("cross-layer", True, "load")]
+    longest = 1.0
     for i, machine in enumerate(machines):
         for j, (name, cross, direction) in enumerate(bars):
             picked = [r for r in chosen if r["hardware"] == machine and r["cross_layer"] == cross
                       and r["direction"] == direction]
             if picked:
                 best = max(picked, key=lambda r: r["ratio"])
+                longest = max(longest, best["ratio"])
                 y = i + j * 0.2
-                ax.barh(y, best["ratio"], 0.18, color=("#1f77b4", "#aec7e8", "#2ca02c", "#98df8a")[j],
-                        label=f"{name} {direction}" if i == 0 else None)
-                ax.text(best["ratio"] + 0.01, y, f"{best['layout']} {best['method']} {best['gbps']:.1f} GB/s",
-                        va="center", fontsize=6)
-    ax.set_yticks([i + 0.3 for i in range(len(machines))], machines, fontsize=7)
+                ax.barh(y, best["ratio"], 0.18, color=CROSS_LAYER if cross else PER_LAYER,
+                        hatch="//" if direction == "load" else None, edgecolor="white", linewidth=0.3,
+                        label=f"{name} {direction}")
+                ax.text(0.01, y, f"{best['layout']} {best['method']}, {best['gbps']:.1f} GB/s", va="center",
+                        fontsize=SMALL)
+    ax.set_yticks([i + 0.3 for i in range(len(machines))],
+                  [wrap(short_hardware(m), inches / 4, SMALL) for m in machines])
+    ax.invert_yaxis()
     ax.axvline(1, color="black", lw=0.8, ls="--")
-    ax.set_xlim(0, 1.6)
-    ax.set_xlabel("best method's share of the machine's own copy ceiling")
-    ax.set_title(f"{model}: {tokens} tokens, scattered blocks", fontsize=9)
-    ax.legend(fontsize=6, loc="lower right")
-    fig.tight_layout()
+    ax.set_xlim(0, 1.05 * longest)
+    ax.set_xlabel(wrap("best method's share of the machine's own copy ceiling", inches - 1.2))
+    title(fig, f"{model}: {tokens} tokens, scattered blocks")
+    unique_legend(fig, [ax], loc="outside lower center", ncols=_legend_columns(inches, 4, 1.5))
     return fig

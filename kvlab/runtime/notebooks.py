@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from kvlab.runtime.progress import headless_progress
+
 NOTEBOOKS_DIR = Path(__file__).resolve().parents[2] / "notebooks"
 # How much a notebook measures: quick (the tests: no vLLM engine), standard (`make run`:
 # minutes), paper (every sweep in full: over an hour on 2 cores).
@@ -67,20 +69,21 @@ def run_notebooks(profile: str = "standard", only: Sequence[str] | None = None, 
         print(f"kvlab: notebook {number}/{len(paths)} {path.stem} ({profile} profile"
               f"{'' if measure else ', from the committed results'}{estimate})", file=sys.stderr, flush=True)
         started = time.perf_counter()
-        papermill.execute_notebook(
-            str(path),
-            str(target),
-            parameters=declared_only(path, {
-                "profile": profile,
-                "figures_dir": os.path.relpath(out / "figures", path.parent),
-                "results_dir": os.path.relpath(out / "results", path.parent),
-                "interactive": False,
-                "measure": measure,
-            }),
-            cwd=str(path.parent),
-            kernel_name="python3",
-            progress_bar=True,
-        )
+        with headless_progress():  # the saved copy would keep each bar's first frame
+            papermill.execute_notebook(
+                str(path),
+                str(target),
+                parameters=declared_only(path, {
+                    "profile": profile,
+                    "figures_dir": os.path.relpath(out / "figures", path.parent),
+                    "results_dir": os.path.relpath(out / "results", path.parent),
+                    "interactive": False,
+                    "measure": measure,
+                }),
+                cwd=str(path.parent),
+                kernel_name="python3",
+                progress_bar=True,
+            )
         executed.append(target)
         print(f"kvlab: {path.stem} done in {(time.perf_counter() - started) / 60:.1f} min "
               f"({(time.perf_counter() - began) / 60:.1f} min so far)", file=sys.stderr, flush=True)

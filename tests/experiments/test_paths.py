@@ -1,12 +1,12 @@
 """One vocabulary for the paths compared: every label a committed results file holds names
-one path, and each path keeps the colour figures have always given it."""
+one path (kvlab.plotting.common colours each path the same in every figure)."""
 
 import json
 from pathlib import Path
 
 import pytest
 
-from kvlab.experiments.paths import Reuse, colour, connector_colour
+from kvlab.experiments.paths import Reuse
 
 RESULTS = Path(__file__).resolve().parents[2] / "data" / "results"
 
@@ -38,8 +38,3 @@ def test_every_recorded_label_names_a_path():
 def test_labels_name_their_path(label, path):
     assert Reuse.of(label) is path
 
-
-def test_colours_by_label_and_by_engine_connector():
-    assert colour("KVLab layerwise") == colour("KVLabConnector") == connector_colour("kvlab") == "#1f77b4"
-    assert colour("vLLM prefix-cache hit") == "#000000" and colour("no connector") == connector_colour("none")
-    assert colour("unknown") == connector_colour("unknown") == "#9467bd"

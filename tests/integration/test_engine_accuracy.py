@@ -22,7 +22,7 @@ from kvlab.store.damage import DAMAGES
 # starts engines; its tests share one accuracy run (one pytest-xdist worker runs them all)
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("engine-accuracy")]
 
-PROBLEMS = 200
+PROBLEMS = 100
 
 
 @pytest.fixture(scope="module")

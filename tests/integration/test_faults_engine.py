@@ -18,7 +18,8 @@ pytest.importorskip("vllm")
 from kvlab.runtime.engine import EngineSpec, run_engine, same_outputs  # noqa: E402
 from kvlab.runtime.models import TINY_LLAMA, model_path  # noqa: E402
 
-pytestmark = pytest.mark.slow  # starts engines, servers or notebook kernels
+# starts engines or servers; one of the extended engine suite (`make test-extended`, CI runs it)
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 BLOCK = 32
 
 

@@ -24,7 +24,8 @@ if importlib.util.find_spec("lmcache") is None:
 from kvlab.runtime.engine import EngineSpec, same_outputs  # noqa: E402
 from kvlab.runtime.lmcache import LMCacheError, LMCacheServer, run_on_server  # noqa: E402
 
-pytestmark = pytest.mark.slow  # starts engines, servers or notebook kernels
+# starts engines or servers; one of the extended engine suite (`make test-extended`, CI runs it)
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 BLOCK_SIZE = 32
 
 

@@ -11,7 +11,8 @@ pytest.importorskip("lm_eval")
 from kvlab.experiments.lmeval import compare_connectors, write_gym_task, write_task  # noqa: E402
 from kvlab.experiments.tasks import DISCRIMINATING  # noqa: E402
 
-pytestmark = pytest.mark.slow  # starts engines, servers or notebook kernels
+# starts engines or servers; one of the extended engine suite (`make test-extended`, CI runs it)
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """Every notebook runs headless in the quick profile (what CI runs), writing its figures, and
-redraws them from the committed results alone (``make figures``)."""
+redraws them from the committed results alone (``make figures``), byte for byte."""
 
 import pytest
 
@@ -19,7 +19,7 @@ def test_notebook_runs(path, tmp_path):
     assert list((tmp_path / "figures").glob(f"{path.stem[:2]}_*.png"))
 
 
-@pytest.mark.parametrize("notebook, figures", [("02_transfer_timing", 6), ("03_connector_and_hooks", 5),
+@pytest.mark.parametrize("notebook, figures", [("02_transfer_timing", 7), ("03_connector_and_hooks", 5),
                                                ("04_accuracy", 3)])
 def test_figures_redraw_from_committed_results(tmp_path, notebook, figures):
     """`make figures`: a measuring notebook measures nothing and draws every figure from data/results."""
@@ -32,9 +32,14 @@ def test_figures_redraw_from_committed_results(tmp_path, notebook, figures):
     (tmp_path / "results").mkdir()
     for path in committed:
         shutil.copy(path, tmp_path / "results")
-    run_notebooks(profile="quick", only=[notebook], out=tmp_path, measure=False)
+    run_notebooks(profile="standard", only=[notebook], out=tmp_path, measure=False)  # as make figures runs it
     assert sorted(p.name for p in (tmp_path / "results").iterdir()) == sorted(p.name for p in committed)
-    assert len(list((tmp_path / "figures").glob(f"{notebook[:2]}_*.svg"))) == figures
+    for fmt in ("png", "svg", "pdf"):  # PNG to read, SVG and PDF (fonts embedded) for papers
+        assert len(list((tmp_path / "figures").glob(f"{notebook[:2]}_*.{fmt}"))) == figures, fmt
+    # the committed figures are these bytes: make figures redraws them identically, on any machine
+    changed = [p.name for p in sorted((tmp_path / "figures").iterdir())
+               if p.read_bytes() != (NOTEBOOKS_DIR.parent / "data" / "figures" / p.name).read_bytes()]
+    assert not changed, f"make figures would change {changed}"
 
 
 def test_figures_without_results_is_a_clear_error(tmp_path):

@@ -19,7 +19,8 @@ pytest.importorskip("vllm")
 from kvlab.runtime.models import SMOLLM2, TINY_LLAMA  # noqa: E402
 from kvlab.runtime.servers import ServerError, VLLMServer  # noqa: E402
 
-pytestmark = pytest.mark.slow  # starts engines, servers or notebook kernels
+# starts engines or servers; one of the extended engine suite (`make test-extended`, CI runs it)
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 MAX_TOKENS = 16
 
 

@@ -77,4 +77,4 @@ def unavailable(src: KVCache, dst: KVCache) -> str | None:
     return None
 
 
-register(CopyMethod("compiled", copy_compiled, colour="#2ca02c", unavailable=unavailable, rank=30))
+register(CopyMethod("compiled", copy_compiled, colour="#009E73", unavailable=unavailable, rank=30))

@@ -53,4 +53,4 @@ def copy_gather(t: Transfer) -> None:
         staged(t, kernel)
 
 
-register(CopyMethod("gather", copy_gather, colour="#1f77b4", rank=20))
+register(CopyMethod("gather", copy_gather, colour="#0072B2", rank=20))

@@ -77,4 +77,4 @@ def copy_lmcache(t: Transfer) -> None:
     )
 
 
-register(CopyMethod("lmcache", copy_lmcache, colour="#ff7f0e", unavailable=unavailable, peer=True, rank=50))
+register(CopyMethod("lmcache", copy_lmcache, colour="#E69F00", unavailable=unavailable, peer=True, rank=50))

@@ -79,4 +79,4 @@ def unavailable(src: KVCache, dst: KVCache) -> str | None:
     return library if isinstance(library, str) else None
 
 
-register(CopyMethod("memcpy", copy_memcpy, colour="#e377c2", unavailable=unavailable, rank=15))
+register(CopyMethod("memcpy", copy_memcpy, colour="#CC79A7", unavailable=unavailable, rank=15))
