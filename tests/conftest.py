@@ -8,6 +8,13 @@ from pathlib import Path
 
 import pytest
 
+# pytest-xdist workers share the cores: each worker, and what it starts (notebook kernels, the
+# README's Pythons, engines), computes on its share instead of every process spinning up a
+# thread per core (oversubscribed, torch's CPU ops ran several times slower)
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    os.environ.setdefault("OMP_NUM_THREADS",
+                          str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+
 # 1 GiB of KV cache per engine (kvlab.runtime.processes.pinned_env): enough for every test's
 # batch, and about 6 s less start-up per engine than the experiments' 2 GiB
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

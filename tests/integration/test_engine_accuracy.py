@@ -22,7 +22,9 @@ from kvlab.store.damage import DAMAGES
 # starts engines; its tests share one accuracy run (one pytest-xdist worker runs them all)
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("engine-accuracy")]
 
-PROBLEMS = 100
+# 50 problems: damage still moves the score by 5+ standard errors, and the 4 engines take about 3
+# minutes on 2 busy cores (notebook 04's paper profile runs 200)
+PROBLEMS = 50
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +66,7 @@ def test_damaged_kv_moves_the_checks(report) -> None:
     for (path, damage), row in rows.items():
         if damage != "block-order":
             assert row["max_logprob_change"] > 1e-3, row
-        if damage in ("zeroed", "block-shift"):  # measured: -0.505 and -0.345 against a stderr of 0.035
+        if damage in ("zeroed", "block-shift"):  # measured on 200 problems: -0.505 and -0.345, stderr 0.035
             assert row["beyond_stderr"] and row["changed_generations"] > PROBLEMS // 4, row
         if damage == "zeroed":
             assert abs(math.log(row["perplexity_ratio"])) > 0.5, row
