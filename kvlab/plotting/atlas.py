@@ -18,7 +18,7 @@ from kvlab.cache.geometry import ModelGeometry
 from kvlab.cache.layouts import Layout, get_layout
 from kvlab.cache.segments import block_segments
 from kvlab.plotting.common import (BLUE, CYCLE, DEFAULT_WIDTH, MEDIUM, ORANGE, SMALL, figure_width, human_bytes,
-                                   panels, paper_figure, room_for_numbers, unique_legend, wrap)
+                                   panels, paper_figure, plural, room_for_numbers, unique_legend, wrap)
 from kvlab.plotting.common import title as figure_title
 
 COLOUR_BY = ("layer", "block", "part", "token")
@@ -99,7 +99,7 @@ def draw_memory_map(
     title = layout.name
     if moved_blocks:
         seg = block_segments(layout, geometry, num_blocks, moved_blocks)
-        title += f"\n{seg.count} segment{'s' * (seg.count != 1)} for {len(moved_blocks)} blocks"
+        title += f"\n{plural(seg.count, 'segment')} for {plural(len(moved_blocks), 'block')}"
     ax.set_title(title, fontsize=MEDIUM)
 
 

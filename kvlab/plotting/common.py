@@ -160,6 +160,16 @@ def legend_labels(fig: plt.Figure) -> list[str]:
     return [text.get_text() for legend in legends for text in legend.get_texts()]
 
 
+def as_records(rows: Iterable[dict] | None) -> list[dict]:
+    """Result rows as dicts, whether a list of them or a pandas DataFrame (None: none)."""
+    return [] if rows is None else rows.to_dict("records") if hasattr(rows, "to_dict") else list(rows)
+
+
+def plural(count: int, word: str) -> str:
+    """'1 segment', '1,024 segments'."""
+    return f"{count:,} {word}{'s' * (count != 1)}"
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
@@ -170,7 +180,7 @@ def human_bytes(n: float) -> str:
 
 def provenance(rows: Iterable[dict]) -> str:
     """Where a figure's numbers come from: each machine and the profile it ran under."""
-    rows = rows.to_dict("records") if hasattr(rows, "to_dict") else rows
+    rows = as_records(rows)
     runs = dict.fromkeys((r.get("hardware") or "this machine", r.get("profile") or "unrecorded") for r in rows)
     return "measured on " + "; ".join(f"{hardware}, {profile} profile" for hardware, profile in runs)
 

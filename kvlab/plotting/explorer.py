@@ -26,7 +26,7 @@ from kvlab.cache.layouts import compatible_layouts
 from kvlab.cache.segments import block_segments, scattered_block_ids, transfer_cost
 from kvlab.experiments.costmodel import CostFit, fit
 from kvlab.plotting.atlas import draw_memory_map, memory_map, miniature
-from kvlab.plotting.common import human_bytes
+from kvlab.plotting.common import human_bytes, plural
 from kvlab.results import committed_results_dir, load_results
 
 # The miniature follows the controls up to these caps: beyond them the map is a blur.
@@ -49,10 +49,6 @@ cross-layer one; below it, the fixed cost per copy is what counts.</p>
 <p><b>Map</b>: one cell = one head vector, in address order: read a row left to right
 (address &rarr;), then wrap to the next. Solid cells are the moved blocks; black lines part tensors.</p>
 </div>"""
-
-
-def plural(count: int, word: str) -> str:
-    return f"{count:,} {word}{'s' * (count != 1)}"
 
 
 def _time(seconds: float) -> str:

@@ -14,7 +14,7 @@ from typing import Any, Iterable
 
 from kvlab.cache.layouts import get_layout
 from kvlab.experiments.paths import Reuse
-from kvlab.plotting.common import human_bytes
+from kvlab.plotting.common import as_records, human_bytes
 
 PER_OBJECT = "object per run"  # kvlab.experiments.network's strategy that stores a chunk as it lies
 
@@ -41,10 +41,6 @@ class Takeaways:
 def takeaways(*points: str | None) -> Takeaways:
     """Takeaways from ready-made points; a None point (its rows were missing) is left out."""
     return Takeaways(tuple(point for point in points if point))
-
-
-def _records(rows: Any) -> list[dict]:
-    return [] if rows is None else rows.to_dict("records") if hasattr(rows, "to_dict") else list(rows)
 
 
 def _number(value: Any) -> bool:
@@ -74,7 +70,7 @@ def _short(model: str) -> str:
 def segments_point(rows: Any, block_size: int | None = None) -> str | None:
     """Copies per-layer and cross-layer layouts need to move the same tokens, from rows of
     kvlab.cache.transfer_cost or sweep (of the first token count and block size unless named)."""
-    rows = [r for r in _records(rows) if _number(r.get("segments"))]
+    rows = [r for r in as_records(rows) if _number(r.get("segments"))]
     if not rows:
         return None
     block_size = rows[0].get("block_size") if block_size is None else block_size
@@ -95,7 +91,7 @@ def segments_point(rows: Any, block_size: int | None = None) -> str | None:
 
 def layout_takeaways(rows: Any) -> Takeaways:
     """Notebook 01: the copies of one transfer at each block size, from kvlab.cache.sweep rows."""
-    sizes = dict.fromkeys(r.get("block_size") for r in _records(rows))
+    sizes = dict.fromkeys(r.get("block_size") for r in as_records(rows))
     return takeaways(*(segments_point(rows, size) for size in sizes))
 
 
@@ -103,10 +99,10 @@ def extension_takeaways(checks: Any, costs: Any, layout: str, method: str) -> Ta
     """Notebook 05: the new ``layout`` and ``method`` in the round-trip checks (rows of
     kvlab.experiments.roundtrip.roundtrip) and in the segment arithmetic (transfer_cost rows:
     every layout at the last token count, the one that cuts a block)."""
-    new = [r for r in _records(checks) if r["layout"] == layout or r["method"] == method]
+    new = [r for r in as_records(checks) if r["layout"] == layout or r["method"] == method]
     exact = (f"{sum(bool(r['exact']) for r in new)} of {len(new)} round trips through the new {layout} layout "
              f"or the new {method} method came back exact." if new else None)
-    costs = _records(costs)
+    costs = as_records(costs)
     cut = [r for r in costs if r["tokens"] == costs[-1]["tokens"]] if costs else []
     copies = (f"Moving {cut[0]['tokens']:,} tokens: "
               + ", ".join(f"{r['layout']} {r['segments']:,} copies" for r in cut) + "." if cut else None)
@@ -129,7 +125,7 @@ def transfer_takeaways(rows: Any, model: str, tokens: int, layer_rows: Any = Non
     """Notebook 02: the best per-layer and cross-layer ratio to the copy ceiling and their
     copies for ``tokens`` tokens of ``model`` (bench rows, scattered blocks to host memory, one
     machine: the first's), and the best layerwise speed-up (run_pipeline_sweep rows)."""
-    headline = [r for r in _records(rows) if r.get("status") == "ok" and r["model"] == model
+    headline = [r for r in as_records(rows) if r.get("status") == "ok" and r["model"] == model
                 and r["tokens"] == tokens and r.get("block_ids") == "scattered" and r.get("target") == "host"
                 and _number(r.get("ratio"))]
     headline = [r for r in headline if r.get("hardware") == headline[0].get("hardware")] if headline else []
@@ -155,7 +151,7 @@ def transfer_takeaways(rows: Any, model: str, tokens: int, layer_rows: Any = Non
 
 def layerwise_point(rows: Any) -> str | None:
     """The best layerwise speed-up and where loading layer by layer beat loading first."""
-    rows = [r for r in _records(rows) if _number(r.get("speedup"))]
+    rows = [r for r in as_records(rows) if _number(r.get("speedup"))]
     if not rows:
         return None
     best = max(rows, key=lambda r: r["speedup"])
@@ -174,8 +170,8 @@ def connector_takeaways(ttft: Any, registration: Any = None, network: Any = None
     ExampleConnector (ttft_scenarios rows with_overheads), the copies of per-layer and
     cross-layer hand-overs (registration_costs rows), and Redis objects per chunk
     (redis_prefix_costs rows)."""
-    return takeaways(*_ttft_points(_records(ttft)), _registration_point(_records(registration)),
-                     _network_point(_records(network)))
+    return takeaways(*_ttft_points(as_records(ttft)), _registration_point(as_records(registration)),
+                     _network_point(as_records(network)))
 
 
 def _ttft_points(rows: list[dict]) -> list[str | None]:
@@ -228,8 +224,8 @@ def accuracy_takeaways(roundtrips: Any, generations: Any = None, task: Any = Non
     """Notebook 04: bit-exact round trips (roundtrip_summary rows), generations identical to
     recompute per reuse path (against_control rows), the task score, and how far the same KV
     damaged on purpose moved the generations."""
-    return takeaways(_roundtrip_point(_records(roundtrips)), _generations_point(_records(generations)),
-                     _task_point(_records(task)), _damage_point(_records(sensitivity)))
+    return takeaways(_roundtrip_point(as_records(roundtrips)), _generations_point(as_records(generations)),
+                     _task_point(as_records(task)), _damage_point(as_records(sensitivity)))
 
 
 def _roundtrip_point(rows: list[dict]) -> str | None:
