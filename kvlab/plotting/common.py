@@ -68,10 +68,14 @@ def figure_width(width: str | float) -> float:
 
 def paper_figure(draw: Callable[..., plt.Figure]) -> Callable[..., plt.Figure]:
     """Draw a figure function's figure in the paper style (font sizes in points, the
-    palette), including the tick labels matplotlib makes later, when the figure is shown."""
+    palette; an empty first argument is a clear error), including the tick labels matplotlib makes later, when the figure is shown."""
 
     @functools.wraps(draw)
     def drawn(*args, **kwargs) -> plt.Figure:
+        # every figure function draws its first argument (rows, fits, layouts): none is an
+        # error, not an empty figure that looks like a result
+        if args and hasattr(args[0], "__len__") and len(args[0]) == 0:
+            raise ValueError(f"{draw.__name__}: nothing to draw (no rows given: were the results loaded?)")
         with plt.rc_context(PAPER_RC):
             fig = draw(*args, **kwargs)
         for ax in fig.axes:

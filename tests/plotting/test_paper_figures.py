@@ -184,3 +184,12 @@ def test_short_hardware():
     assert common.short_hardware("cuda: NVIDIA H200") == "cuda: H200"
     assert common.short_hardware("cpu: AMD EPYC 7763 64-Core Processor (16 cores)") == "cpu: AMD EPYC 7763 (16 cores)"
     assert common.short_hardware(None) == "this machine"
+
+
+@pytest.mark.parametrize("name", ["break_even_figure", "roundtrip_figure", "transfer_ratios", "memory_map"])
+def test_nothing_to_draw_is_a_clear_error(name):
+    import kvlab.plotting
+
+    extra = {"break_even_figure": (32,), "transfer_ratios": (LLAMA.name, 1024), "memory_map": (miniature(LLAMA),)}
+    with pytest.raises(ValueError, match="nothing to draw"):
+        getattr(kvlab.plotting, name)([], *extra.get(name, ()))
