@@ -159,8 +159,15 @@ def slug(text: str) -> str:
     return "-".join(part for part in keep.split("-") if part)[:60]
 
 
+COMMITTED_RESULTS_ENV = "KVLAB_COMMITTED_RESULTS"  # a folder holding them instead (the tests' copy)
+
+
 def committed_results_dir() -> Path:
-    """The checkout's data/results (else the working directory's): the committed results."""
+    """The checkout's data/results (else the working directory's): the committed results;
+    ``$KVLAB_COMMITTED_RESULTS`` when set (tests/conftest.py points it at git's copy, since
+    ``make run`` appends this machine's runs to data/results)."""
+    if os.environ.get(COMMITTED_RESULTS_ENV):
+        return Path(os.environ[COMMITTED_RESULTS_ENV])
     root = Path(__file__).resolve().parent.parent
     return root / "data" / "results" if (root / "pyproject.toml").exists() else Path("data") / "results"
 

@@ -15,6 +15,30 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     os.environ.setdefault("OMP_NUM_THREADS",
                           str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
+def _results_as_committed() -> None:
+    """Point kvlab.results.committed_results_dir at git's data/results when `make run` has
+    appended this machine's runs to the working copy: the tests check the committed tables."""
+    import subprocess
+    import tempfile
+
+    root = Path(__file__).resolve().parent.parent
+    git = ["git", "-C", str(root)]
+    try:
+        changed = subprocess.run(git + ["status", "--porcelain", "--", "data/results"], capture_output=True,
+                                 text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return  # not a git checkout: the working copy is what there is
+    if not changed:
+        return
+    folder = Path(tempfile.mkdtemp(prefix="kvlab-committed-"))
+    archive = subprocess.run(git + ["archive", "HEAD", "data/results"], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
+    os.environ["KVLAB_COMMITTED_RESULTS"] = str(folder / "data" / "results")
+
+
+if "KVLAB_COMMITTED_RESULTS" not in os.environ:
+    _results_as_committed()
+
 # 1 GiB of KV cache per engine (kvlab.runtime.processes.pinned_env): enough for every test's
 # batch, and about 6 s less start-up per engine than the experiments' 2 GiB
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
