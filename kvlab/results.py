@@ -164,8 +164,8 @@ COMMITTED_RESULTS_ENV = "KVLAB_COMMITTED_RESULTS"  # a folder holding them inste
 
 def committed_results_dir() -> Path:
     """The checkout's data/results (else the working directory's): the committed results;
-    ``$KVLAB_COMMITTED_RESULTS`` when set (tests/conftest.py points it at git's copy, since
-    ``make run`` appends this machine's runs to data/results)."""
+    ``$KVLAB_COMMITTED_RESULTS`` when set (tests/conftest.py points it at git's copy of
+    data/, since ``make run`` appends this machine's runs to data/results)."""
     if os.environ.get(COMMITTED_RESULTS_ENV):
         return Path(os.environ[COMMITTED_RESULTS_ENV])
     root = Path(__file__).resolve().parent.parent
@@ -180,17 +180,16 @@ def default_results_path(stem: str, device: str | torch.device = "auto", results
     return Path(results_dir) / f"{stem}-{slug(device.type + ' ' + device_name(device))}.jsonl"
 
 
-def results_for(stem: str, results_dir: str | Path, device: str | torch.device = "auto") -> list[dict[str, Any]]:
-    """The rows to show for ``stem``: this machine's newest run when it has a results file,
-    else the newest run of every machine that committed one (each row names its hardware),
-    so figures redraw on any machine, not only on the one that measured."""
-    own = default_results_path(stem, device, results_dir)
-    if own.exists():
-        return load_results([own])
+def results_for(stem: str, results_dir: str | Path) -> list[dict[str, Any]]:
+    """The rows to show for ``stem``: the newest run in ``results_dir``, whichever machine
+    measured it (each row names its hardware). A notebook that has just measured shows what
+    it measured; one that only draws (make figures) draws the same on every machine, not
+    the reading machine's own older run."""
     files = sorted(Path(results_dir).glob(f"{stem}-*.jsonl"))
     if not files:
         raise FileNotFoundError(f"no {stem}-*.jsonl in {results_dir}: run with measure=True (make run) first")
-    return load_results(files)
+    runs = [load_results([path]) for path in files]
+    return max(runs, key=lambda rows: max((row["run_date"] or "" for row in rows), default=""))
 
 
 def measured(stem: str, measure: Callable[[], Sequence[dict[str, Any]]] | None, results_dir: str | Path,
@@ -200,4 +199,4 @@ def measured(stem: str, measure: Callable[[], Sequence[dict[str, Any]]] | None, 
     (:func:`results_for`). One call replaces a notebook's measure-or-load cell."""
     if measure is not None:
         record_run(default_results_path(stem, device, results_dir), measure(), device)
-    return results_for(stem, results_dir, device)
+    return results_for(stem, results_dir)

@@ -1,12 +1,17 @@
 """Shared fixtures: the trained model the engine tests run, prompts cut from the book
 reasoning-gym ships, a LoRA adapter for it; ``prepared`` and ``running`` (imported by the
-server tests): a model folder or a skip, and the processes left behind."""
+server tests): a model folder or a skip, and the processes left behind; ``hits``,
+``loadable``, ``bitwise`` and ``within_split_drift`` (imported by the engine tests): what an
+engine run hit, and how two of its phases must agree."""
 
 import json
 import os
 from pathlib import Path
 
 import pytest
+
+from kvlab.results import COMMITTED_RESULTS_ENV, committed_results_dir
+from kvlab.runtime.engine import SPLIT_DRIFT, same_outputs
 
 # pytest-xdist workers share the cores: each worker, and what it starts (notebook kernels, the
 # README's Pythons, engines), computes on its share instead of every process spinning up a
@@ -15,29 +20,38 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     os.environ.setdefault("OMP_NUM_THREADS",
                           str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
-def _results_as_committed() -> None:
-    """Point kvlab.results.committed_results_dir at git's data/results when `make run` has
-    appended this machine's runs to the working copy: the tests check the committed tables."""
+def _data_as_committed() -> None:
+    """Point kvlab.results.committed_results_dir (and :func:`committed_data`) at git's data/
+    when `make run` has rewritten the working copy's (appended this machine's runs to
+    data/results, redrawn data/figures, executed data/notebooks): the tests check what is
+    committed, also after `make run`."""
     import subprocess
     import tempfile
 
     root = Path(__file__).resolve().parent.parent
     git = ["git", "-C", str(root)]
+    parts = ["data/results", "data/figures", "data/notebooks"]
     try:
-        changed = subprocess.run(git + ["status", "--porcelain", "--", "data/results"], capture_output=True,
+        changed = subprocess.run(git + ["status", "--porcelain", "--", *parts], capture_output=True,
                                  text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return  # not a git checkout: the working copy is what there is
     if not changed:
         return
     folder = Path(tempfile.mkdtemp(prefix="kvlab-committed-"))
-    archive = subprocess.run(git + ["archive", "HEAD", "data/results"], capture_output=True, check=True).stdout
+    archive = subprocess.run(git + ["archive", "HEAD", *parts], capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
-    os.environ["KVLAB_COMMITTED_RESULTS"] = str(folder / "data" / "results")
+    os.environ[COMMITTED_RESULTS_ENV] = str(folder / "data" / "results")
 
 
-if "KVLAB_COMMITTED_RESULTS" not in os.environ:
-    _results_as_committed()
+if COMMITTED_RESULTS_ENV not in os.environ:
+    _data_as_committed()
+
+
+def committed_data() -> Path:
+    """The committed data/ folder (results, figures, executed notebooks) as git holds it."""
+    return committed_results_dir().parent
+
 
 # 1 GiB of KV cache per engine (kvlab.runtime.processes.pinned_env): enough for every test's
 # batch, and about 6 s less start-up per engine than the experiments' 2 GiB
@@ -117,6 +131,32 @@ def running(pids: list[int]) -> list[int]:
             alive.append(pid)
     return alive
 
+
+
+# ---- comparing engine runs (kvlab.runtime.engine results) ------------------------------------
+def hits(result: dict, phase: str) -> list[int]:
+    """Prompt tokens each prompt of a phase found cached (vLLM's prefix cache or a connector)."""
+    return [row["cached_tokens"] for row in result["phases"][phase]]
+
+
+def loadable(prompts: list[list[int]], block_size: int = 32) -> list[int]:
+    """Every full block but the one holding the last prompt token (vLLM computes that one)."""
+    return [(len(p) - 1) // block_size * block_size for p in prompts]
+
+
+def bitwise(a: dict, b: dict, phase_a: str, phase_b: str) -> bool:
+    """The same tokens and fp32 logprobs bitwise: for two phases that split every prefill
+    the same way (a connector hit against vLLM's own prefix hit, the "floor" phase, or two
+    full recomputes), whatever the CPU."""
+    agreement = same_outputs(a, b, phase_a, phase_b)
+    return agreement["identical"] == agreement["prompts"] and agreement["max_logprob_diff"] == 0.0
+
+
+def within_split_drift(a: dict, b: dict, phase_a: str, phase_b: str) -> bool:
+    """For two phases that split the prefill differently (a hit computes only the suffix, a
+    cold run the whole prompt): chosen-token logprobs within SPLIT_DRIFT up to and including
+    any near-tie the drift flipped (kvlab.runtime.engine.gap_through_divergence)."""
+    return same_outputs(a, b, phase_a, phase_b)["max_gap_through_divergence"] <= SPLIT_DRIFT
 
 
 @pytest.fixture

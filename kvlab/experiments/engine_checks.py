@@ -16,7 +16,7 @@ from typing import Any, Sequence
 from kvlab.experiments.paths import Reuse
 from kvlab.experiments.tasks import GSMTask, GymTask, book_text, text_windows
 from kvlab.experiments.ttft import run_any_engine
-from kvlab.runtime.engine import EngineSpec, check_inputs, run_engine, same_outputs
+from kvlab.runtime.engine import EngineSpec, check_inputs, first_difference, run_engine, same_outputs
 from kvlab.runtime.processes import failure_line
 from kvlab.runtime.progress import progress
 
@@ -130,7 +130,7 @@ class AccuracyReport:
         table = []
         for path in self.paths:
             rows = self.rows(path)[:self.task_size]
-            diverge = [_first_difference(r["token_ids"], ref["token_ids"]) for r, ref in zip(rows, reference)]
+            diverge = [first_difference(r["token_ids"], ref["token_ids"]) for r, ref in zip(rows, reference)]
             table.append({
                 "path": path.name, "prompts": len(rows), "identical": sum(d is None for d in diverge),
                 "identical_share": sum(d is None for d in diverge) / len(rows),
@@ -275,19 +275,12 @@ def against_control(rows: Sequence[dict]) -> list[dict]:
              and (not counts or r["identical"] >= control["identical"])} for r in rows]
 
 
-def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 def _max_logprob_diff(rows: Sequence[dict], reference: Sequence[dict]) -> float:
     """Largest chosen-token logprob difference over the positions where both chose the
     same tokens so far (after a divergence the contexts differ)."""
     worst = 0.0
     for row, ref in zip(rows, reference):
-        same = _first_difference(row["token_ids"], ref["token_ids"])
+        same = first_difference(row["token_ids"], ref["token_ids"])
         upto = len(row["token_ids"]) if same is None else same
         worst = max([worst] + [abs(p - q) for p, q in zip(row["logprobs"][:upto], ref["logprobs"][:upto])])
     return worst

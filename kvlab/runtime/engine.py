@@ -13,7 +13,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from kvlab.runtime import worker_calls
 from kvlab.runtime.configs import kv_transfer_config
@@ -29,8 +29,11 @@ class EngineSpec:
     Phases: "cold" (first sight), "floor" (again, served by vLLM's own prefix cache:
     nothing moves), "warm" (vLLM's prefix cache emptied before each prompt when it is on,
     so the prefix can only come from the connector), "warm-disk" (also the connector's
-    in-memory tier emptied, so KV comes from disk). "cold" runs every prompt first; the
-    other phases then run in order for one prompt after another. A phase named more than
+    in-memory tier emptied, so KV comes from disk), "control" (every prompt again right
+    after "cold", before any "warm" empties vLLM's cache: vLLM's own prefix hit on the KV
+    that "cold" computed, which splits each prefill as a connector's hit does, so the
+    connector's "warm" must equal it bitwise). "cold" then "control" run every prompt
+    first; the other phases then run in order for one prompt after another. A phase named more than
     once is repeated and its rows pooled; alternating "floor" and "warm" pairs each
     connector sample with a floor sample of the same prompt in the same engine.
     "warm-<damage>" ("warm-zeroed", "warm-noise-1pct", ... from kvlab.store.damage.DAMAGES)
@@ -118,6 +121,9 @@ def run_engine(spec: EngineSpec, prompts: list[list[int]], timeout: float = 900,
     ``loras[i]`` the name of one of ``spec.lora_adapters`` to run prompt i with."""
     check_inputs(spec.model, prompts)
     _check_mla_block_size(spec)
+    for phase in ("floor", "control"):  # vLLM's own prefix hit
+        if phase in spec.phases and not spec.prefix_caching:
+            raise ValueError(f"the {phase} phase needs prefix caching on (EngineSpec(prefix_caching=True))")
     for name, values in (("salts", salts), ("loras", loras)):
         if values is not None and len(values) != len(prompts):
             raise ValueError(f"{name} needs one entry per prompt (None for none)")
@@ -163,12 +169,12 @@ def _forced_tokens_processor() -> type:
 
 # Phases run before (cold) and after (damaged KV, Redis down) the prompt-by-prompt ones.
 DAMAGE_PHASES = {f"warm-{name}": name for name in DAMAGES}
-FIRST_PHASES, LAST_PHASES = ("cold",), (*DAMAGE_PHASES, "warm-redis-down")
+FIRST_PHASES, LAST_PHASES = ("cold", "control"), (*DAMAGE_PHASES, "warm-redis-down")
 
 
 def _schedule(phases: tuple[str, ...], prompts: int, batch: bool) -> list[tuple[str, list[int]]]:
-    """(phase, prompt indices) per generate call, in order. "cold" sees every prompt
-    first and the damaged ones come last; the others run prompt by prompt, so a "floor"
+    """(phase, prompt indices) per generate call, in order. "cold" and "control" see every
+    prompt first and the damaged ones come last; the others run prompt by prompt, so a "floor"
     right after a warm run of the same prompt really is vLLM's own prefix hit (emptying
     vLLM's prefix cache for one prompt's warm run empties it for all)."""
     every = list(range(prompts))
@@ -192,8 +198,6 @@ def _child(job_path: str, out_path: str) -> None:
     forced = job.get("forced") or [None] * len(job["prompts"])
     salts = job.get("salts") or [None] * len(job["prompts"])
     loras = [_lora_request(spec, name) for name in job.get("loras") or [None] * len(job["prompts"])]
-    if "floor" in spec.phases and not spec.prefix_caching:
-        raise ValueError("the floor phase needs prefix caching on")
     transfer = kv_transfer_config(spec.connector, spec.extra, spec.workdir)
     if spec.connector == "lmcache":
         from kvlab.runtime.vllm_cpu import fix_vllm_cpu_kernel_scan
@@ -280,17 +284,47 @@ def summarize(name: str, result: dict, phase: str, **labels: Any) -> dict:
     }
 
 
+# The bound within which a run that splits the prefill differently (a connector hit computes
+# only the suffix; a run without one, the whole prompt) must agree with it: fp32 sums taken in
+# another order move SmolLM2's chosen-token logprobs by about 1e-5 (an MLA miniature's by
+# 4e-4), a damaged KV by 1e-3 to 10. Against the same-split control (vLLM's own prefix hit)
+# the bound is 0: bitwise.
+SPLIT_DRIFT = 1e-3
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """The first position where two token lists differ (None: equal)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def gap_through_divergence(row: dict, reference: dict) -> float:
+    """Largest chosen-token logprob difference of two greedy generations from the start up
+    to and including their first different token. Where a small drift flips a near-tie, the
+    two chosen tokens were nearly equally likely, so their logprobs differ by no more than
+    the drift there either; a damaged KV moves them far apart before or at the flip."""
+    diverge = first_difference(row["token_ids"], reference["token_ids"])
+    upto = len(row["token_ids"]) if diverge is None else diverge + 1
+    return max([0.0] + [abs(p - q) for p, q in zip(row["logprobs"][:upto], reference["logprobs"][:upto])])
+
+
 def same_outputs(a: dict, b: dict, phase_a: str = "cold", phase_b: str = "warm") -> dict:
     """Do two runs agree, prompt by prompt: how many prompts gave identical tokens every
-    time, and the largest chosen-token logprob difference."""
+    time, the largest chosen-token logprob difference, and the largest one up to each
+    prompt's first different token (:func:`gap_through_divergence`, to hold against
+    :data:`SPLIT_DRIFT` when the runs split the prefill differently)."""
     reference = {row["prompt"]: row for row in a["phases"][phase_a]}
     same: dict[int, bool] = {}
-    diff = 0.0
+    diff = gap = 0.0
     for row in b["phases"][phase_b]:
         ref = reference[row["prompt"]]
         same[row["prompt"]] = same.get(row["prompt"], True) and row["token_ids"] == ref["token_ids"]
         diff = max([diff] + [abs(p - q) for p, q in zip(row["logprobs"], ref["logprobs"])])
-    return {"identical": sum(same.values()), "prompts": len(same), "max_logprob_diff": diff}
+        gap = max(gap, gap_through_divergence(row, ref))
+    return {"identical": sum(same.values()), "prompts": len(same), "max_logprob_diff": diff,
+            "max_gap_through_divergence": gap}
 
 
 if __name__ == "__main__":

@@ -2,13 +2,13 @@
 one path (kvlab.plotting.common colours each path the same in every figure)."""
 
 import json
-from pathlib import Path
 
 import pytest
 
 from kvlab.experiments.paths import Reuse
+from kvlab.results import committed_results_dir
 
-RESULTS = Path(__file__).resolve().parents[2] / "data" / "results"
+RESULTS = committed_results_dir()
 
 
 def recorded_labels() -> set[str]:

@@ -11,37 +11,28 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import prepared
+from conftest import bitwise, hits, loadable, prepared, within_split_drift
 
 pytest.importorskip("vllm")
 
-from kvlab.runtime.engine import EngineSpec, run_engine, same_outputs  # noqa: E402
+from kvlab.runtime.engine import EngineSpec, run_engine  # noqa: E402
 from kvlab.runtime.models import TINY_LLAMA, model_path  # noqa: E402
 
 # starts engines or servers; one of the extended engine suite (`make test-extended`, CI runs it)
 pytestmark = [pytest.mark.slow, pytest.mark.extended]
-
-
-def hits(result: dict, phase: str) -> list[int]:
-    return [row["cached_tokens"] for row in result["phases"][phase]]
-
-
-def loadable(prompts: list[list[int]], block_size: int = 32) -> list[int]:
-    """Every full block but the one holding the last prompt token (vLLM computes that one)."""
-    return [(len(p) - 1) // block_size * block_size for p in prompts]
-
-
-def bitwise(a: dict, b: dict, phase_a: str = "cold", phase_b: str = "warm") -> bool:
-    agreement = same_outputs(a, b, phase_a, phase_b)
-    return agreement["identical"] == agreement["prompts"] and agreement["max_logprob_diff"] == 0.0  # fp32
+# Each engine also keeps vLLM's prefix cache: its "control" phase (vLLM's own prefix hit, the
+# prefill split as the connector's hit splits it) is the control the connector's "warm" phase
+# must equal bitwise; "warm" empties vLLM's cache first, so only the connector can hit.
+CONTROLLED = ("cold", "control", "warm")
 
 
 def test_layerwise_in_one_process_serves_the_second_run_identically(smollm2, prompts) -> None:
-    spec = EngineSpec(smollm2, "kvlab", {"layerwise": True, "chunk_size": 64}, dtype="float32", max_tokens=8)
+    spec = EngineSpec(smollm2, "kvlab", {"layerwise": True, "chunk_size": 64}, dtype="float32", max_tokens=8,
+                      prefix_caching=True, phases=CONTROLLED)
     result = run_engine(spec, prompts)
     assert hits(result, "cold") == [0, 0]
-    assert hits(result, "warm") == loadable(prompts)
-    assert bitwise(result, result)
+    assert hits(result, "warm") == hits(result, "control") == loadable(prompts)
+    assert bitwise(result, result, "control", "warm") and within_split_drift(result, result, "cold", "warm")
     stats = result["connector"]["default"]
     assert stats["loaded_blocks"] == sum(hit // 32 for hit in loadable(prompts))
     assert stats["layout"] == "CPU_LBHNC" and stats["load_errors"] == 0
@@ -58,9 +49,9 @@ def test_vllms_default_processes_serve_repeats_and_other_engines_hit(smollm2, pr
     shm = str(tmp_path / "shm")
     common = {"dtype": "float32", "max_tokens": 8, "multiprocessing": True}
     writer = {**redis_server.extra(tiers=["memory", "shm", "redis"]), "shm_path": shm, "chunk_size": 64}
-    first = run_engine(EngineSpec(smollm2, "kvlab", writer, **common), prompts)
-    assert hits(first, "cold") == [0, 0] and hits(first, "warm") == loadable(prompts)
-    assert bitwise(first, first)
+    first = run_engine(EngineSpec(smollm2, "kvlab", writer, prefix_caching=True, phases=CONTROLLED, **common), prompts)
+    assert hits(first, "cold") == [0, 0] and hits(first, "warm") == hits(first, "control") == loadable(prompts)
+    assert bitwise(first, first, "control", "warm") and within_split_drift(first, first, "cold", "warm")
     stats = first["connector"]["default"]
     assert stats["loaded_blocks"] == sum(hit // 32 for hit in loadable(prompts))
     assert stats["save_errors"] == 0 and redis_server.keys() > 0 and any(Path(shm).iterdir())
@@ -69,8 +60,9 @@ def test_vllms_default_processes_serve_repeats_and_other_engines_hit(smollm2, pr
         other = run_engine(EngineSpec(smollm2, "kvlab", extra, phases=phases, **common), prompts)
         assert hits(other, "warm") == loadable(prompts), tier
         assert other["connector"]["default"]["store"][f"{tier}_reads"] > 0
-        assert bitwise(first, other), tier
-    # Then the Redis server dies: every prompt is recomputed, the same tokens, none waits 10 s.
+        assert bitwise(first, other, "warm", "warm"), tier  # both load the same prefix: the same split
+    # Then the Redis server dies: every prompt is recomputed whole, as A's cold run was: the
+    # same tokens, bitwise, and none waits 10 s.
     assert hits(other, "warm-redis-down") == [0, 0]
     assert bitwise(first, other, "cold", "warm-redis-down")
     assert all(row["seconds"] < 10 for row in other["phases"]["warm-redis-down"])
@@ -85,46 +77,58 @@ def test_tensor_parallel_ranks_store_their_shards_and_a_failed_load_is_recompute
     blocks (kv_load_failure_policy "recompute") and the tokens are the cold run's."""
     model = str(model_path(prepared(TINY_LLAMA)))
     prompts = [list(range(5, 205)), list(range(300, 470))]
-    spec = EngineSpec(model, "kvlab", {"verify": "always"}, dtype="float32", max_tokens=8,
-                      tensor_parallel_size=2, phases=("cold", "warm", "warm-zeroed"))
+    spec = EngineSpec(model, "kvlab", {"verify": "always"}, dtype="float32", max_tokens=8, prefix_caching=True,
+                      tensor_parallel_size=2, phases=(*CONTROLLED, "warm-zeroed"))
     result = run_engine(spec, prompts)
-    assert hits(result, "warm") == loadable(prompts)
-    assert bitwise(result, result)
+    assert hits(result, "warm") == hits(result, "control") == loadable(prompts)
+    assert bitwise(result, result, "control", "warm") and within_split_drift(result, result, "cold", "warm")
     ranks = [r["default"] for r in result["ranks"]]
     assert len(ranks) == 2 and all(r["loaded_blocks"] >= sum(loadable(prompts)) // 32 for r in ranks)
     assert all(r["load_errors"] > 0 and r["store"]["corrupt"] > 0 for r in ranks), "zeroed chunks failed the check"
+    # every block failed, so vLLM recomputed each prompt whole: the cold run's split, bitwise
     assert bitwise(result, result, "cold", "warm-zeroed"), "recomputed, not loaded"
 
 
+@pytest.fixture(scope="module")
+def mla_control(tmp_path_factory) -> dict:
+    """The control for MLA on CPU, where vLLM has no prefix caching: its ExampleConnector,
+    whose warm prefill is split as KVLabConnector's is."""
+    spec = EngineSpec(str(model_path(prepared("mini-deepseek-v2"))), "example", {}, dtype="float32", block_size=16,
+                      max_tokens=8, attention_backend="CPU_MLA", workdir=str(tmp_path_factory.mktemp("example")),
+                      max_num_batched_tokens=4096)
+    control = run_engine(spec, ARCHITECTURE_PROMPTS)
+    assert hits(control, "warm") == loadable(ARCHITECTURE_PROMPTS, 16)
+    return control
+
+
+ARCHITECTURE_PROMPTS = [list(range(5, 205)), list(range(300, 470))]
+MLA = pytest.mark.xdist_group("mla-control")  # both MLA cases on one worker: one control engine
+
+
 @pytest.mark.parametrize("name, layerwise", [("mini-qwen2", False), ("mini-qwen3-moe", True),
-                                             ("mini-deepseek-v2", False), ("mini-deepseek-v2", True)])
-def test_every_seed_architecture_through_the_connector(name, layerwise, tmp_path: Path) -> None:
+                                             pytest.param("mini-deepseek-v2", False, marks=MLA),
+                                             pytest.param("mini-deepseek-v2", True, marks=MLA)])
+def test_every_seed_architecture_through_the_connector(name, layerwise, tmp_path: Path, request) -> None:
     """The seeds' other architectures (Llama: above), as seeded random miniatures with each
     one's real KV geometry: Qwen2, Qwen3-MoE, and DeepSeek-V2 with MLA on vLLM's CPU_MLA
-    backend (block size 16; no prefix caching for MLA on CPU, so the controls are the cold run
-    and vLLM's ExampleConnector). Every warm run, from memory and (MLA) from disk in the same
-    process, hits every loadable block and is bitwise the cold run and the control."""
+    backend (block size 16). Every warm run, from memory and (MLA) from disk in the same
+    process, hits every loadable block and is bitwise its same-split control: vLLM's own
+    prefix hit, or for MLA (no prefix caching for MLA on CPU) vLLM's ExampleConnector; and
+    within the split's drift of the cold run."""
     mla = name == "mini-deepseek-v2"
     block_size = 16 if mla else 32
     extra = {"layerwise": layerwise, "chunk_size": 64, "store": "disk", "disk_path": str(tmp_path / "kv")}
     spec = EngineSpec(str(model_path(prepared(name))), "kvlab", extra, dtype="float32", block_size=block_size,
-                      max_tokens=8, phases=("cold", "warm", "warm-disk") if mla else ("cold", "warm"),
-                      attention_backend="CPU_MLA" if mla else None)
-    prompts = [list(range(5, 205)), list(range(300, 470))]
-    result = run_engine(spec, prompts)
+                      max_tokens=8, phases=("cold", "warm", "warm-disk") if mla else CONTROLLED,
+                      prefix_caching=not mla, attention_backend="CPU_MLA" if mla else None)
+    result = run_engine(spec, ARCHITECTURE_PROMPTS)
+    control, control_phase = (request.getfixturevalue("mla_control"), "warm") if mla else (result, "control")
     for phase in ("warm", "warm-disk") if mla else ("warm",):
-        assert hits(result, phase) == loadable(prompts, block_size), phase
-        assert bitwise(result, result, "cold", phase), phase
+        assert hits(result, phase) == loadable(ARCHITECTURE_PROMPTS, block_size), phase
+        assert bitwise(control, result, control_phase, phase), phase
+        assert within_split_drift(result, result, "cold", phase), phase
     stats = result["connector"]["default"]
     assert stats["load_errors"] == 0 and stats["save_errors"] == 0
     assert stats["layout"] == ("mla_v0.29" if mla else "CPU_LBHNC"), "named for what vLLM handed over"
     if mla:
         assert stats["store"]["disk_reads"] > 0
-    if mla and not layerwise:
-        # the control for MLA on CPU (no prefix caching there): vLLM's ExampleConnector, whose
-        # warm prefill is split the same way; KVLab's fp32 logprobs equal its bitwise
-        control = run_engine(EngineSpec(spec.model, "example", {}, dtype="float32", block_size=block_size,
-                                        max_tokens=8, attention_backend="CPU_MLA", workdir=str(tmp_path / "example"),
-                                        max_num_batched_tokens=4096), prompts)
-        assert hits(control, "warm") == loadable(prompts, block_size)
-        assert bitwise(control, result, "warm", "warm")

@@ -2,6 +2,7 @@
 redraws them from the committed results alone (``make figures``), byte for byte."""
 
 import pytest
+from conftest import committed_data
 
 from kvlab.runtime.notebooks import notebook_paths, run_notebooks
 
@@ -25,9 +26,7 @@ def test_figures_redraw_from_committed_results(tmp_path, notebook, figures):
     """`make figures`: a measuring notebook measures nothing and draws every figure from data/results."""
     import shutil
 
-    from kvlab.runtime.notebooks import NOTEBOOKS_DIR
-
-    committed = sorted((NOTEBOOKS_DIR.parent / "data" / "results").glob(f"{notebook[:2]}_*.jsonl"))
+    committed = sorted((committed_data() / "results").glob(f"{notebook[:2]}_*.jsonl"))
     assert committed, f"the committed results of {notebook} are missing"
     (tmp_path / "results").mkdir()
     for path in committed:
@@ -38,7 +37,7 @@ def test_figures_redraw_from_committed_results(tmp_path, notebook, figures):
         assert len(list((tmp_path / "figures").glob(f"{notebook[:2]}_*.{fmt}"))) == figures, fmt
     # the committed figures are these bytes: make figures redraws them identically, on any machine
     changed = [p.name for p in sorted((tmp_path / "figures").iterdir())
-               if p.read_bytes() != (NOTEBOOKS_DIR.parent / "data" / "figures" / p.name).read_bytes()]
+               if p.read_bytes() != (committed_data() / "figures" / p.name).read_bytes()]
     assert not changed, f"make figures would change {changed}"
 
 

@@ -16,6 +16,7 @@ from conftest import prepared, running
 
 pytest.importorskip("vllm")
 
+from kvlab.runtime.engine import SPLIT_DRIFT, gap_through_divergence  # noqa: E402
 from kvlab.runtime.models import SMOLLM2, TINY_LLAMA  # noqa: E402
 from kvlab.runtime.servers import ServerError, VLLMServer  # noqa: E402
 
@@ -130,9 +131,10 @@ def test_the_seeds_request_replayed_with_the_openai_client(tmp_path, text, name,
     block_size = options.get("block_size", 32)
     assert first["cached_tokens"] == 0
     assert repeat["cached_tokens"] == (first["prompt_tokens"] - 1) // block_size * block_size
-    assert repeat["token_ids"] == first["token_ids"] and repeat["text"] == first["text"]
-    # the repeat's last prompt tokens run on top of the loaded KV: the same logprobs up to the
-    # compute path's own drift (a damaged KV moves them by far more)
-    assert len(repeat["logprobs"]) == len(first["logprobs"]) == len(first["token_ids"])
-    assert max(abs(a - b) for a, b in zip(repeat["logprobs"], first["logprobs"])) < 1e-3
+    # the repeat computes its last prompt tokens on top of the loaded KV, the first run the whole
+    # prompt: another prefill split, and no same-split control (the seed turns vLLM's prefix cache
+    # off), so the same logprobs within the split's drift, up to and including any near-tie the
+    # drift flips on this CPU (a damaged KV moves them by far more)
+    assert len(repeat["logprobs"]) == len(repeat["token_ids"]) and len(first["logprobs"]) == len(first["token_ids"])
+    assert gap_through_divergence(repeat, first) <= SPLIT_DRIFT
     assert all(row["layout"] for row in rows.values()), "the registration line names the cache layout"

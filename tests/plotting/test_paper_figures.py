@@ -25,7 +25,7 @@ LLAMA = preset("llama-3.1-8b")
 
 
 def committed(stem: str) -> list[dict]:
-    return results_for(stem, committed_results_dir(), "cpu")
+    return results_for(stem, committed_results_dir())
 
 
 def transfer_rows() -> list[dict]:

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 from bs4 import BeautifulSoup
+from conftest import committed_data
 
 from kvlab.plotting.report import ExecutedNotebook, read_executed, write_report
 
-COMMITTED = Path(__file__).resolve().parents[2] / "data" / "notebooks"
+COMMITTED = committed_data() / "notebooks"
 ERROR_OUTPUT = "[data-mime-type='application/vnd.jupyter.stderr']"  # nbconvert's mark on errors (and stderr)
 pytestmark = pytest.mark.xdist_group("report")  # one worker builds the shared report
 

@@ -1,0 +1,50 @@
+"""How kvlab.runtime.engine orders its phases and compares two runs (no engine started)."""
+
+import pytest
+
+from kvlab.runtime.engine import (
+    SPLIT_DRIFT,
+    EngineSpec,
+    _schedule,
+    first_difference,
+    gap_through_divergence,
+    run_engine,
+    same_outputs,
+)
+
+
+def run(*rows: tuple[list[int], list[float]], phase: str = "cold") -> dict:
+    return {"phases": {phase: [{"prompt": i, "token_ids": t, "logprobs": lp} for i, (t, lp) in enumerate(rows)]}}
+
+
+def test_the_control_runs_every_prompt_after_cold_and_before_any_warm_run() -> None:
+    """vLLM's own prefix hit on the cold run's KV: a "warm" run empties vLLM's prefix cache,
+    so a control after it would be served by the connector, or by KV the connector loaded."""
+    schedule = _schedule(("cold", "control", "warm", "warm-zeroed"), 2, batch=False)
+    assert schedule == [("cold", [0]), ("cold", [1]), ("control", [0]), ("control", [1]),
+                        ("warm", [0]), ("warm", [1]), ("warm-zeroed", [0]), ("warm-zeroed", [1])]
+
+
+@pytest.mark.parametrize("phase", ["control", "floor"])
+def test_vllms_own_prefix_hit_needs_prefix_caching(tmp_path, phase) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=f"the {phase} phase needs prefix caching on"):
+        run_engine(EngineSpec(str(tmp_path), phases=("cold", phase)), [[1, 2, 3]])
+
+
+def test_a_flipped_near_tie_is_within_the_drift_and_damaged_kv_is_not() -> None:
+    cold = run(([5, 6, 7, 8], [-0.5, -0.69310, -0.2, -0.1]))
+    same = run(([5, 6, 7, 8], [-0.5, -0.69310, -0.2, -0.1]))
+    # another prefill split: 1e-5 of drift flips the near-tie at position 1 (ln 2 either way)
+    flipped = run(([5, 9, 3, 3], [-0.50001, -0.69312, -2.0, -3.0]))
+    # a damaged KV: the same tokens at first, logprobs far off, then another token
+    damaged = run(([5, 9, 7, 8], [-0.9, -0.2, -0.2, -0.1]))
+    assert first_difference([5, 6], [5, 6]) is None and first_difference([5, 6], [5, 9]) == 1
+    assert first_difference([5, 6], [5]) == 1
+    assert same_outputs(cold, same, "cold", "cold") == {"identical": 1, "prompts": 1, "max_logprob_diff": 0.0,
+                                        "max_gap_through_divergence": 0.0}
+    near = same_outputs(cold, flipped, "cold", "cold")
+    assert near["identical"] == 0 and near["max_logprob_diff"] > 1  # after the flip the contexts differ
+    assert near["max_gap_through_divergence"] == pytest.approx(2e-5) and near["max_gap_through_divergence"] <= SPLIT_DRIFT
+    assert gap_through_divergence(damaged["phases"]["cold"][0], cold["phases"]["cold"][0]) == pytest.approx(0.4931)
+    assert same_outputs(cold, damaged, "cold", "cold")["max_gap_through_divergence"] > SPLIT_DRIFT
