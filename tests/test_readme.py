@@ -254,6 +254,7 @@ def test_readme_block(block: Block, tmp_path: Path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # they start vLLM engines: the extended engine suite (CI runs it)
 @pytest.mark.parametrize("block", params("slow", "server"))
 def test_readme_block_slow(block: Block, tmp_path: Path):
     (run_server if block.policy == "server" else run_block)(block, tmp_path)

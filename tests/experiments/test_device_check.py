@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # a minute and a half of the GPU suite on the CPU: the extended suite (CI runs it)
 def test_dry_run_on_the_cpu(tmp_path):
     """DEVICE=cpu: the device suite runs on the CPU, every method is measured or says why
     not, the layerwise steps run, and the summary says ok."""
