@@ -17,6 +17,7 @@ from kvlab.experiments.engine_checks import (
     reuse_paths,
 )
 from kvlab.experiments.tasks import DISCRIMINATING
+from kvlab.runtime.engine import SPLIT_DRIFT
 from kvlab.store.damage import DAMAGES
 
 # starts engines; its tests share one accuracy run (one pytest-xdist worker runs them all)
@@ -35,9 +36,10 @@ def report(smollm2: str):
 
 
 def test_kvlab_reuse_changes_nothing_in_fp32(report) -> None:
-    """Identical generations and logprobs bitwise equal to vLLM's own prefix hit (which
-    itself differs from recompute only by the compute path), so the same task score; the
-    text continuation was scored on reloaded KV."""
+    """Identical generations and logprobs bitwise equal to vLLM's own prefix hit (the same
+    prefill split), so the same task score; against recompute (another split, whose fp32
+    sums may flip a near-tie on some CPU) scores within one standard error and teacher-forced
+    logprobs within the split's drift; the text continuation was scored on reloaded KV."""
     assert all(row["no_worse_than_control"] for row in against_control(report.perplexity()))
     generations = {row["path"]: row for row in report.generations()}
     for name, row in generations.items():
@@ -49,7 +51,7 @@ def test_kvlab_reuse_changes_nothing_in_fp32(report) -> None:
         assert row["path"] == RECOMPUTE or row["reused_prefix_tokens"] == 224, row
         if row["path"] != RECOMPUTE:
             assert row["max_logprob_diff_vs_control"] == 0.0, row
-            assert row["max_logprob_diff"] <= 1e-4, row
+            assert row["max_logprob_diff"] <= SPLIT_DRIFT, row  # vs recompute: another prefill split
     scores = {(row["path"], row["filter"]): row for row in report.task_scores()}
     assert 0.2 <= scores[RECOMPUTE, "exact-match"]["accuracy"] <= 0.8, "the task must leave room to move"
     assert all(row["within_stderr"] for row in scores.values())
