@@ -33,8 +33,8 @@ class EngineSpec:
     after "cold", before any "warm" empties vLLM's cache: vLLM's own prefix hit on the KV
     that "cold" computed, which splits each prefill as a connector's hit does, so the
     connector's "warm" must equal it bitwise). "cold" then "control" run every prompt
-    first; the other phases then run in order for one prompt after another. A phase named more than
-    once is repeated and its rows pooled; alternating "floor" and "warm" pairs each
+    first; the other phases then run in order for one prompt after another. A phase named
+    more than once is repeated and its rows pooled; alternating "floor" and "warm" pairs each
     connector sample with a floor sample of the same prompt in the same engine.
     "warm-<damage>" ("warm-zeroed", "warm-noise-1pct", ... from kvlab.store.damage.DAMAGES)
     runs after everything else: KVLabConnector's in-memory chunks are damaged that way first
