@@ -89,6 +89,10 @@ def test_tensor_parallel_ranks_store_their_shards_and_a_failed_load_is_recompute
     assert bitwise(result, result, "cold", "warm-zeroed"), "recomputed, not loaded"
 
 
+ARCHITECTURE_PROMPTS = [list(range(5, 205)), list(range(300, 470))]
+MLA = pytest.mark.xdist_group("mla-control")  # both MLA cases on one worker: one control engine
+
+
 @pytest.fixture(scope="module")
 def mla_control(tmp_path_factory) -> dict:
     """The control for MLA on CPU, where vLLM has no prefix caching: its ExampleConnector,
@@ -99,10 +103,6 @@ def mla_control(tmp_path_factory) -> dict:
     control = run_engine(spec, ARCHITECTURE_PROMPTS)
     assert hits(control, "warm") == loadable(ARCHITECTURE_PROMPTS, 16)
     return control
-
-
-ARCHITECTURE_PROMPTS = [list(range(5, 205)), list(range(300, 470))]
-MLA = pytest.mark.xdist_group("mla-control")  # both MLA cases on one worker: one control engine
 
 
 @pytest.mark.parametrize("name, layerwise", [("mini-qwen2", False), ("mini-qwen3-moe", True),
