@@ -84,18 +84,27 @@ def test_prepare_again_rewrites_nothing(prepared):
 @needs_smollm2
 def test_smollm2_greedy_generation(prepared):
     """The converted weights are the trained model: it knows the capital of France, and its
-    greedy tokens are the same with and without the KV cache (a sound reference)."""
+    greedy generation is the same with and without the KV cache (a sound reference): decoding
+    on cached KV sums in another order than recomputing, so within the split's drift, through
+    any near-tie it flips on some CPU."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvlab.runtime.engine import SPLIT_DRIFT, gap_through_divergence
 
     path = models.model_path("smollm2-135m-instruct-fp32")
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path)
     assert model.dtype == torch.float32
     inputs = tokenizer("The capital of France is", return_tensors="pt")
-    cached = model.generate(**inputs, max_new_tokens=8, do_sample=False)
-    uncached = model.generate(**inputs, max_new_tokens=8, do_sample=False, use_cache=False)
-    assert torch.equal(cached, uncached)
-    assert tokenizer.decode(cached[0, inputs.input_ids.shape[1]:]).startswith(" Paris")
+    cached, uncached = (model.generate(**inputs, max_new_tokens=8, do_sample=False, use_cache=use_cache,
+                                       output_logits=True, return_dict_in_generate=True) for use_cache in (True, False))
+    rows = []
+    for run in (cached, uncached):
+        tokens = run.sequences[0, inputs.input_ids.shape[1]:]
+        logprobs = [torch.log_softmax(step[0], -1)[t].item() for step, t in zip(run.logits, tokens)]
+        rows.append({"token_ids": tokens.tolist(), "logprobs": logprobs})
+    assert gap_through_divergence(*rows) <= SPLIT_DRIFT
+    assert tokenizer.decode(rows[0]["token_ids"]).startswith(" Paris")
 
 
 @needs_smollm2
