@@ -260,6 +260,17 @@ def test_readme_block_slow(block: Block, tmp_path: Path):
     (run_server if block.policy == "server" else run_block)(block, tmp_path)
 
 
+@pytest.mark.parametrize("path", ["README.md", "docs/lmeval.md"])
+def test_every_connector_example_recomputes_a_failed_load(path):
+    """A user copies these: with vLLM's default kv_load_failure_policy ("fail") a load that
+    fails its check fails the request instead of being recomputed."""
+    examples = [b for b in readme_blocks((ROOT / path).read_text()) if "KVLabConnector" in b.code]
+    assert examples
+    for block in examples:
+        assert re.search(r"""["']?kv_load_failure_policy["']?\s*[=:]\s*["']recompute["']""", block.code), \
+            f"{path}:{block.line} configures KVLabConnector without kv_load_failure_policy recompute"
+
+
 def test_readme_blocks_have_a_runner():
     """Every block not skipped is in a language this test runs (else: mark it skip, with why)."""
     assert {b.language for b in BLOCKS if b.policy != "skip"} <= {"python", "console", "bash"}
