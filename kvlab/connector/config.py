@@ -3,12 +3,17 @@ at start-up for anything else."""
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass, fields
 from typing import Any
 
 from kvlab.transfer.registry import METHODS
 
 CROSS_LAYER_LAYOUT = "BLHNC"
+# Folders others share, which kvlab must not take over as its shared-memory tier.
+SHARED_ROOTS = ("/", "/dev/shm", "/tmp", "/run/shm", "/var/tmp")
+STORE_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]+")
 # Where chunks can live, in the order a lookup tries them: the worker's own memory, files
 # in a host-shared memory folder, files on disk, a Redis server.
 TIERS = ("memory", "shm", "disk", "redis")
@@ -49,6 +54,18 @@ class ConnectorConfig:
             value = extra.get(name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ValueError(f"KVLabConnector: {name} must be a positive integer, got {value!r}")
+        for name in ("disk_path", "shm_path", "redis_url", "store_name", "store", "method", "verify"):
+            if name in extra and (not isinstance(extra[name], str) or not extra[name]):
+                raise ValueError(f"KVLabConnector: {name} must be a non-empty string, got {extra[name]!r}")
+        for name in ("disk_path", "shm_path"):  # every vLLM process must mean the same folder
+            if name in extra and not os.path.isabs(extra[name]):
+                raise ValueError(f"KVLabConnector: {name} must be an absolute path, got {extra[name]!r}")
+        if extra.get("shm_path") and os.path.normpath(extra["shm_path"]) in SHARED_ROOTS:
+            raise ValueError(f"KVLabConnector: shm_path must be a folder of kvlab's own (it evicts chunk files "
+                             f"there), not {extra['shm_path']!r}: e.g. /dev/shm/kvlab-<name>")
+        if "store_name" in extra and not STORE_NAME.fullmatch(extra["store_name"]):
+            raise ValueError(f"KVLabConnector: store_name names a folder (/dev/shm/kvlab-<store_name>): letters, "
+                             f"digits, '.', '_' and '-' only, got {extra['store_name']!r}")
         if "tiers" in extra:
             if "store" in extra:
                 raise ValueError("KVLabConnector: give either store (a shorthand) or tiers, not both")

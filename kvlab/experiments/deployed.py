@@ -79,7 +79,7 @@ def sharing_runs(model: str, prompts: list[list[int]], workdir: str | Path, redi
     shared memory, engine C (standing in for another host) only Redis. With
     ``tp_model``: an engine of two tensor-parallel ranks, its prompts cold then warm. One
     row per engine run: hits, whether its tokens equal the cold ones, the counters."""
-    shm = str(Path(workdir) / "shm")
+    shm = str(Path(workdir).resolve() / "shm")
     common = {"dtype": "float32", "max_tokens": 8, "multiprocessing": True}
     writer = {"tiers": ["memory", "shm", "redis"], "shm_path": shm, "redis_url": redis_url}
     readers = {"shared memory, another process": {"tiers": ["shm"], "shm_path": shm},

@@ -46,7 +46,7 @@ def ttft_scenarios(model: str, prompts: list[list[int]], workdir: str | Path, dt
     unknown = sorted(set(extras) - set(EXTRA_ENGINES))
     if unknown:
         raise ValueError(f"unknown extra engines {unknown}; choose from {list(EXTRA_ENGINES)}")
-    workdir = Path(workdir)
+    workdir = Path(workdir).resolve()  # every engine process must mean the same folders
     common = {"model": model, "dtype": dtype, "block_size": block_size, "prefix_caching": True}
     kvlab = {"chunk_size": chunk_size} if chunk_size else {}
 
@@ -119,7 +119,7 @@ def connector_comparison(model: str, prompts: list[list[int]], workdir: str | Pa
 
     check_inputs(model, prompts)
     token_bytes = geometry_of(model, dtype=dtype, block_size=block_size).token_bytes
-    workdir = Path(workdir)
+    workdir = Path(workdir).resolve()
     common = {"model": model, "dtype": dtype, "block_size": block_size, "prefix_caching": True}
     paired = ("cold",) + ("warm", "floor") * repeats
     plans = [("no connector", EngineSpec(**common, phases=("cold",) + ("floor",) * repeats))]

@@ -226,6 +226,16 @@ def test_full_store_evicts_and_never_fails() -> None:
     ({"shm_path": "/dev/shm/x"}, "shm_path is only used with the shm tier"),
     ({"async_saves": 1}, "async_saves must be true or false"),
     ({"shm_bytes": -1}, "shm_bytes must be a positive integer"),
+    ({"store": "disk", "disk_path": 123}, "disk_path must be a non-empty string"),
+    ({"tiers": ["shm"], "shm_path": 7}, "shm_path must be a non-empty string"),
+    ({"tiers": ["redis"], "redis_url": 6379}, "redis_url must be a non-empty string"),
+    ({"store_name": 5}, "store_name must be a non-empty string"),
+    ({"store_name": ""}, "store_name must be a non-empty string"),
+    ({"store_name": "x/../../../tmp/y"}, "store_name names a folder"),
+    ({"store_name": ".."}, "store_name names a folder"),
+    ({"store": "disk", "disk_path": "kv"}, "disk_path must be an absolute path"),
+    ({"tiers": ["shm"], "shm_path": "/dev/shm"}, "shm_path must be a folder of kvlab's own"),
+    ({"tiers": ["shm"], "shm_path": "/dev/shm/"}, "shm_path must be a folder of kvlab's own"),
 ])
 def test_bad_extra_config_fails_at_start(extra: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
