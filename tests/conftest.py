@@ -10,15 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from kvlab.results import COMMITTED_RESULTS_ENV, committed_results_dir
-from kvlab.runtime.engine import SPLIT_DRIFT, same_outputs
-
 # pytest-xdist workers share the cores: each worker, and what it starts (notebook kernels, the
 # README's Pythons, engines), computes on its share instead of every process spinning up a
 # thread per core (oversubscribed, torch's CPU ops ran several times slower)
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     os.environ.setdefault("OMP_NUM_THREADS",
                           str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+
+# kvlab imports torch: only after the thread count above is set
+from kvlab.results import COMMITTED_RESULTS_ENV, committed_results_dir  # noqa: E402
+from kvlab.runtime.engine import SPLIT_DRIFT, same_outputs  # noqa: E402
+
 
 def _data_as_committed() -> None:
     """Point kvlab.results.committed_results_dir (and :func:`committed_data`) at git's data/
