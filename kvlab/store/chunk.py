@@ -1,14 +1,17 @@
 """A stored chunk: whole blocks of one prompt prefix in a host buffer laid out like the
 cache (so a cross-layer cache moves one segment per block), with each block's key, the
 model signature and a CRC32C; and its file format, whose header is checked against a
-schema before anything in it is used."""
+schema before anything in it is used, and which carries an HMAC-SHA256 when the store has a
+key (a CRC stops damage, not a writer who recomputes it)."""
 
 from __future__ import annotations
 
+import hmac
 import json
+import re
 import struct
-from dataclasses import dataclass, fields
-from typing import BinaryIO, Sequence
+from dataclasses import dataclass, field, fields
+from typing import BinaryIO, Iterable, Sequence
 
 import google_crc32c
 import torch
@@ -22,6 +25,8 @@ _MAGIC = b"KVLAB-CHUNK-1\n"
 _SUFFIX = ".kvchunk"
 _MAX_HEADER_BYTES = 1 << 20
 _MAX_CHUNK_BLOCKS = 1 << 16
+_MAC = re.compile(r"[0-9a-f]{64}")
+_FIELDS = {"block_keys", "signature", "crc", "layout", "num_blocks", "geometry", "tensors"}  # and "mac"
 
 
 def checksum(tensors: Sequence[torch.Tensor]) -> int:
@@ -70,6 +75,8 @@ class Header:
     geometry: ModelGeometry
     payload_bytes: int
     payload_start: int
+    mac: str | None = None
+    parsed: dict = field(default_factory=dict, repr=False)  # the fields as read: what the mac covers
 
 
 # ---- the chunk file format -----------------------------------------------------------
@@ -82,16 +89,20 @@ def _geometry_fields(g: ModelGeometry) -> dict:
             "kv_lora_rank": g.kv_lora_rank, "qk_rope_head_dim": g.qk_rope_head_dim}
 
 
-def encode_header(chunk: Chunk) -> bytes:
-    """The bytes before a chunk's payload, in a file or in any other store's value."""
+def encode_header(chunk: Chunk, auth_key: bytes | None = None) -> bytes:
+    """The bytes before a chunk's payload, in a file or in any other store's value; with
+    ``auth_key``, its MAC in the field "mac" (without, the format is the unkeyed one)."""
     buffer = chunk.buffer
-    header = json.dumps({
+    header = {
         "block_keys": chunk.block_keys, "signature": chunk.signature, "crc": chunk.crc,
         "layout": buffer.layout.name, "num_blocks": buffer.num_blocks,
         "geometry": _geometry_fields(buffer.geometry),
         "tensors": [list(t.shape) for t in buffer.storage],
-    }).encode()
-    return _MAGIC + struct.pack("<Q", len(header)) + header
+    }
+    if auth_key is not None:
+        header["mac"] = mac(auth_key, header, payload(chunk))
+    encoded = json.dumps(header).encode()
+    return _MAGIC + struct.pack("<Q", len(encoded)) + encoded
 
 
 def payload(chunk: Chunk) -> list[memoryview]:
@@ -99,12 +110,29 @@ def payload(chunk: Chunk) -> list[memoryview]:
     return [t.contiguous().view(torch.uint8).reshape(-1).numpy().data for t in chunk.buffer.storage]
 
 
+def mac(auth_key: bytes, header: dict, parts: Iterable[memoryview]) -> str:
+    """HMAC-SHA256 under ``auth_key`` of a chunk's header fields but "mac" (canonical JSON,
+    its length first, so that no byte can move between header and payload) and of its
+    payload, in one pass over the payload's ``parts``: 64 hex digits."""
+    signed = json.dumps({k: v for k, v in header.items() if k != "mac"}, sort_keys=True, separators=(",", ":"))
+    digest = hmac.new(auth_key, struct.pack("<Q", len(signed)) + signed.encode(), "sha256")
+    for part in parts:
+        digest.update(part)
+    return digest.hexdigest()
+
+
+def authentic(header: Header, auth_key: bytes, flat: torch.Tensor) -> bool:
+    """Whether a checked header and its payload ``flat`` carry the MAC ``auth_key`` gives them
+    (compared in constant time); False without a mac."""
+    return header.mac is not None and hmac.compare_digest(header.mac, mac(auth_key, header.parsed, [flat.numpy().data]))
+
+
 def parse_header(f: BinaryIO, chunk_key: str, size: int) -> Header:
     """Read and check a stored chunk's header against the schema: every field present with
-    its type, keys that are hex digests (the last one ``chunk_key``, the name it is stored
-    under), a known layout and dtype, and a payload whose size the layout implies and the
-    stored object (``size`` bytes) has. ValueError for anything else, never another
-    exception from the contents."""
+    its type and no other, keys that are hex digests (the last one ``chunk_key``, the name
+    it is stored under), a known layout and dtype, a payload whose size the layout implies
+    and the stored object (``size`` bytes) has, and a mac, if any, of 64 hex digits.
+    ValueError for anything else, never another exception from the contents."""
     start = len(_MAGIC) + 8
     head = f.read(start)
     if len(head) < start or not head.startswith(_MAGIC):
@@ -119,6 +147,8 @@ def parse_header(f: BinaryIO, chunk_key: str, size: int) -> Header:
         raise ValueError(f"damaged header ({type(error).__name__})") from None
     if not isinstance(header, dict):
         raise ValueError("header is not an object")
+    if set(header) - {"mac"} != _FIELDS:
+        raise ValueError("header does not have the expected fields")
     keys = header.get("block_keys")
     if not isinstance(keys, list) or not 0 < len(keys) <= _MAX_CHUNK_BLOCKS or not all(map(valid_key, keys)):
         raise ValueError("block_keys must be a list of hex digests")
@@ -129,6 +159,8 @@ def parse_header(f: BinaryIO, chunk_key: str, size: int) -> Header:
         raise ValueError("signature must be a string")
     if not _is_int(crc) or not 0 <= crc < 1 << 32:
         raise ValueError("crc must be a 32-bit unsigned integer")
+    if "mac" in header and not (isinstance(header["mac"], str) and _MAC.fullmatch(header["mac"])):
+        raise ValueError("mac must be 64 hex digits")
     if not isinstance(layout, str) or layout not in LAYOUTS or LAYOUTS[layout].is_chunk_format:
         raise ValueError(f"unknown layout {layout!r}")
     if header.get("num_blocks") != len(keys) or not _is_int(header.get("num_blocks")):
@@ -153,7 +185,7 @@ def parse_header(f: BinaryIO, chunk_key: str, size: int) -> Header:
         raise ValueError(f"layout refused: {error}") from None
     if header.get("tensors") != shapes:
         raise ValueError("tensor shapes do not match the layout")
-    return Header(keys, sig, crc, layout, g, payload_bytes, payload_start)
+    return Header(keys, sig, crc, layout, g, payload_bytes, payload_start, header.get("mac"), header)
 
 
 def chunk_from(header: Header, flat: torch.Tensor) -> Chunk:

@@ -27,7 +27,11 @@ class KVStore:
     ``verify`` is "disk" (check the CRC of every chunk read from a shared tier; trust
     chunks this process sealed in memory) or "always" (also at every memory hit, ~4 ms per
     46 MB). ``promote`` keeps chunks read from a shared tier in memory (off where another
-    process decides what the memory tier holds).
+    process decides what the memory tier holds). ``auth_key`` (at least 16 bytes, e.g.
+    ``os.urandom(32)``, the same in every process of the store) signs every chunk written to
+    a shared tier with an HMAC-SHA256 and refuses one read without a valid MAC (``forged``):
+    a CRC stops damage, not a writer who recomputes it; a writer without the key, the same
+    user included, cannot forge a chunk.
     """
 
     capacity_bytes: int = 2 << 30
@@ -39,6 +43,7 @@ class KVStore:
     shm_capacity_bytes: int = 4 << 30
     redis_url: str | None = None
     promote: bool = True
+    auth_key: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("capacity_bytes", "disk_capacity_bytes", "shm_capacity_bytes"):
@@ -47,17 +52,19 @@ class KVStore:
                 raise ValueError(f"{name} must be a positive number of bytes, got {value!r}")
         if self.verify not in ("always", "disk"):
             raise ValueError(f"verify must be 'always' or 'disk', got {self.verify!r}")
+        if self.auth_key is not None and (not isinstance(self.auth_key, bytes) or len(self.auth_key) < 16):
+            raise ValueError("auth_key must be at least 16 bytes (e.g. os.urandom(32)), or None")
         self._lock = threading.RLock()
         self.memory = MemoryTier(self.capacity_bytes, self.stats)
         self.shared: list[Tier] = []
         if self.shm_path is not None:
             self.shm_path = Path(self.shm_path)
-            self.shared.append(SharedMemoryTier(self.shm_path, self.shm_capacity_bytes, self.stats))
+            self.shared.append(SharedMemoryTier(self.shm_path, self.shm_capacity_bytes, self.stats, self.auth_key))
         if self.disk_path is not None:
             self.disk_path = Path(self.disk_path)
-            self.shared.append(DiskTier(self.disk_path, self.disk_capacity_bytes, self.stats))
+            self.shared.append(DiskTier(self.disk_path, self.disk_capacity_bytes, self.stats, self.auth_key))
         if self.redis_url is not None:
-            self.shared.append(RedisTier(self.redis_url, self.stats))
+            self.shared.append(RedisTier(self.redis_url, self.stats, auth_key=self.auth_key))
 
     @property
     def disk(self) -> DiskTier | None:

@@ -21,7 +21,7 @@ from typing import Any, BinaryIO, Callable, Protocol
 import numpy as np
 import torch
 
-from kvlab.store.chunk import _SUFFIX, Chunk, Header, chunk_from, encode_header, parse_header, payload
+from kvlab.store.chunk import _SUFFIX, Chunk, Header, authentic, chunk_from, encode_header, parse_header, payload
 from kvlab.store.keys import valid_key
 
 logger = logging.getLogger("kvlab.store")
@@ -43,7 +43,8 @@ class StoreStats:
     stored: int = 0
     dropped: int = 0  # larger than the memory tier
     evicted: int = 0
-    corrupt: int = 0  # checksum, payload or header failed: a miss
+    corrupt: int = 0  # checksum, payload, header or MAC failed: a miss
+    forged: int = 0  # of those, chunks without a valid MAC for the store's auth_key
     mismatched: int = 0  # another model, dtype or layout: a miss
     disk_reads: int = 0  # chunks read from each shared tier (checked or not)
     shm_reads: int = 0
@@ -148,26 +149,31 @@ class DiskTier:
     another process removed is a plain miss, files another process adds are found when a
     lookup misses and the folder changed. Every OSError is absorbed: counted, logged once,
     and after a failed write the tier pauses writing with a doubling back-off (a full disk
-    first evicts to make room and tries once more)."""
+    first evicts to make room and tries once more; its lower budget lasts for a doubling
+    back-off too, then ``budget_bytes`` is tried again).
+
+    The folder must be this user's and writable by no one else (another local user could
+    plant, swap or delete chunks); a missing one is created mode 0700. With ``auth_key``,
+    every chunk written carries an HMAC-SHA256 and a chunk read without a valid one is
+    refused (``forged``): then a writer without the key cannot forge a chunk either."""
 
     name, shared = "disk", True
 
-    def __init__(self, path: Path, capacity_bytes: int, stats: StoreStats) -> None:
+    def __init__(self, path: Path, capacity_bytes: int, stats: StoreStats, auth_key: bytes | None = None) -> None:
         self.path = path
-        self.capacity_bytes = capacity_bytes
+        self.budget_bytes = self.capacity_bytes = capacity_bytes  # the configured budget; the limit now
         self.stats = stats
-        if path.exists() and not path.is_dir():
-            raise ValueError(f"the store's disk_path {path} is a file, not a folder")
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            raise ValueError(f"the store's disk_path {path} cannot be created: {error}") from None
+        self.auth_key = auth_key
+        _own_folder(path, f"the store's {self.name}_path {path}")
         self._index: dict[str, tuple[str, int]] = {}  # block key -> (chunk key, position)
         self._chunk_blocks: dict[str, list[str]] = {}  # chunk key -> its block keys
         self._seen: dict[str, tuple[int, int]] = {}  # file name -> (size, mtime) already indexed or rejected
         self._scanned_mtime = -1
         self._paused_until = 0.0
         self._retry_s = RETRY_FIRST_S
+        self._full_at = 0  # bytes the folder held when the filesystem was last full
+        self._regrow_at = 0.0  # when a budget lowered by a full filesystem is tried in full again
+        self._regrow_s = RETRY_FIRST_S
         self._logged: set[str] = set()
         self._host = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:64] or "host"
         self._remove_stale_tmp()
@@ -207,6 +213,10 @@ class DiskTier:
         if not chunk.intact():
             self._reject(path, "corrupt", ValueError("checksum does not match"))
             return None
+        if self.auth_key is not None and not authentic(header, self.auth_key, flat):
+            self.stats.forged += 1
+            self._reject(path, "forged", ValueError("no valid MAC for this store's auth_key"))
+            return None
         return chunk
 
     def check(self) -> None:
@@ -222,11 +232,14 @@ class DiskTier:
     # ---- updates -------------------------------------------------------------------
     def put(self, chunk: Chunk) -> bool:
         """Write ``chunk`` through; False (counted, never raised) when it is not written."""
-        if chunk.nbytes > self.capacity_bytes or time.monotonic() < self._paused_until:
+        now = time.monotonic()
+        if self.capacity_bytes < self.budget_bytes and now >= self._regrow_at:
+            self.capacity_bytes = self.budget_bytes  # space may have come back; a full filesystem lowers it again
+        if chunk.nbytes > self.capacity_bytes or now < self._paused_until:
             self.stats.disk_skipped += 1
             return False
         try:
-            self._trim(chunk.nbytes)
+            held = self._trim(chunk.nbytes) + chunk.nbytes
             self._write(chunk)
         except OSError as error:
             if error.errno not in (errno.ENOSPC, errno.EDQUOT):
@@ -234,6 +247,9 @@ class DiskTier:
                 return False
             if not self._shrink_to_fit(chunk):
                 return False
+        else:
+            if held > self._full_at:  # more than the filesystem held when full: the space came back
+                self._regrow_s = RETRY_FIRST_S
         self._retry_s = RETRY_FIRST_S
         self._paused_until = 0.0
         return True
@@ -261,7 +277,7 @@ class DiskTier:
         tmp = self.path / f"{chunk.key}.{self._host}-{os.getpid()}.tmp"
         try:
             with open(tmp, "wb") as f:
-                f.write(encode_header(chunk))
+                f.write(encode_header(chunk, self.auth_key))
                 for part in payload(chunk):
                     f.write(part)
             tmp.replace(path)
@@ -276,12 +292,16 @@ class DiskTier:
             pass
 
     def _shrink_to_fit(self, chunk: Chunk) -> bool:
-        """The filesystem is full before the budget is: make the budget what it holds,
+        """The filesystem is full before the budget is: make the limit what it holds for a
+        while (then the budget is tried again: the space may have been someone else's),
         evict for the chunk and try once more."""
         used = sum(size for _, size, _ in self._files())
-        self.capacity_bytes = max(used, chunk.nbytes)
-        self._log_once("full", f"KVLabConnector store: {self.path} is full at {used} bytes; its budget is now "
-                               "that, least recently used chunks make room")
+        self._full_at = self.capacity_bytes = max(used, chunk.nbytes)
+        self._regrow_at = time.monotonic() + self._regrow_s
+        self._log_once("full", f"KVLabConnector store: {self.path} is full at {used} bytes; its budget is that "
+                               f"for {self._regrow_s:g} s (then {self.budget_bytes} bytes are tried again, less often "
+                               "while it stays full); least recently used chunks make room")
+        self._regrow_s = min(2 * self._regrow_s, RETRY_MAX_S)
         try:
             self._trim(chunk.nbytes)
             self._write(chunk)
@@ -314,17 +334,19 @@ class DiskTier:
                 out.append((Path(entry.path), stat.st_size, stat.st_mtime))
         return sorted(out, key=lambda f: f[2])
 
-    def _trim(self, incoming: int) -> None:
+    def _trim(self, incoming: int) -> int:
+        """Evict least recently used files until ``incoming`` more bytes fit; the bytes left."""
         files = self._files()
         total = sum(size for _, size, _ in files)
         for path, size, _ in files:
             if total + incoming <= self.capacity_bytes:
-                return
+                break
             if path.name.endswith(_SUFFIX):
                 self._forget(path.name.removesuffix(_SUFFIX))
                 if self._unlink(path):
                     self.stats.evicted += 1
                     total -= size
+        return total
 
     def _remove_stale_tmp(self) -> None:
         """Partial files of writers that died (this host: the process is gone; another
@@ -417,11 +439,15 @@ class DiskTier:
 class SharedMemoryTier(DiskTier):
     """The disk tier's files in a memory-backed folder (``/dev/shm``): every process and
     engine on the host shares them, and a read maps the file instead of copying it (the
-    chunk's tensors are the page-cache pages themselves, copy-on-write)."""
+    chunk's tensors are the page-cache pages themselves, copy-on-write). With ``auth_key``
+    a read copies the file, as the disk tier does: a mapping shows what a writer without
+    the key writes into the file after its MAC was checked."""
 
     name = "shm"
 
     def _payload(self, f: BinaryIO, path: Path, header: Header) -> torch.Tensor:
+        if self.auth_key is not None:
+            return super()._payload(f, path, header)
         mapped = np.memmap(f, dtype=np.uint8, mode="c", offset=header.payload_start, shape=(header.payload_bytes,))
         return torch.from_numpy(mapped)
 
@@ -439,11 +465,13 @@ class RedisTier:
     name, shared = "redis", True
     PREFIX = "kvlab:"
 
-    def __init__(self, url: str, stats: StoreStats, timeout_s: float = 2.0) -> None:
+    def __init__(self, url: str, stats: StoreStats, timeout_s: float = 2.0, auth_key: bytes | None = None) -> None:
+        """``auth_key``: as the disk tier's (every value carries a MAC; one without a valid one is refused)."""
         import redis
 
         self.url = url
         self.stats = stats
+        self.auth_key = auth_key
         self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self._errors = (redis.RedisError, OSError)
         self._paused_until = 0.0
@@ -489,6 +517,10 @@ class RedisTier:
         if not chunk.intact():
             self._reject(chunk_key, ValueError("checksum does not match"))
             return None
+        if self.auth_key is not None and not authentic(header, self.auth_key, flat):
+            self.stats.forged += 1
+            self._reject(chunk_key, ValueError("no valid MAC for this store's auth_key"))
+            return None
         return chunk
 
     # ---- updates -------------------------------------------------------------------
@@ -496,7 +528,7 @@ class RedisTier:
         """One round trip: the chunk's value and its blocks' names, pipelined."""
         def write() -> bool:
             pipe = self.client.pipeline(transaction=False)
-            pipe.set(self.PREFIX + "c:" + chunk.key, encode_header(chunk) + b"".join(payload(chunk)))
+            pipe.set(self.PREFIX + "c:" + chunk.key, encode_header(chunk, self.auth_key) + b"".join(payload(chunk)))
             for position, key in enumerate(chunk.block_keys):
                 pipe.set(self.PREFIX + "b:" + key, f"{chunk.key}:{position}")
             pipe.execute()
@@ -537,6 +569,30 @@ class RedisTier:
             self._logged.add("corrupt")
             logger.warning("KVLabConnector store: dropping Redis chunk %s (%s); recomputing instead", chunk_key, error)
         self.discard(chunk_key)
+
+
+def _own_folder(path: Path, what: str) -> None:
+    """Create ``path`` and its missing parents mode 0700 (whatever the umask), or check that
+    the folder there is this user's and that no one else can write to it: another local
+    user who can (a pre-created /dev/shm/kvlab-<name> of mode 0777, say) could plant, swap
+    or delete chunks. ValueError naming the folder, its owner and mode, and what to do."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{what} is a file, not a folder")
+    try:
+        for folder in reversed([p for p in (path, *path.parents) if not p.exists()]):
+            try:
+                folder.mkdir(0o700)
+            except FileExistsError:
+                continue  # another process made it meanwhile: checked below like any other
+            folder.chmod(0o700)
+        stat = path.stat()
+    except OSError as error:
+        raise ValueError(f"{what} cannot be created: {error}") from None
+    if stat.st_uid != os.geteuid() or stat.st_mode & 0o022:
+        raise ValueError(f"{what} is owned by uid {stat.st_uid} with mode {stat.st_mode & 0o7777:04o}, but the store "
+                         f"needs a folder of its own user (uid {os.geteuid()}) that group and others cannot write: "
+                         "another local user could plant, swap or delete its chunks. Remove it (kvlab creates it, "
+                         f"mode 0700), `chmod go-w {path}` if it is yours, or choose another path")
 
 
 def _alive(pid: int) -> bool:

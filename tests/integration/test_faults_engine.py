@@ -32,7 +32,7 @@ def small_disk(tmp_path: Path):
     """A real 12 MB filesystem for the disk tier (SmolLM2 fp32 writes 46 KB of KV a token)."""
     path = tmp_path / "kv"
     path.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(path)], capture_output=True, text=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m,mode=0700", "tmpfs", str(path)], capture_output=True, text=True)
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()})")
     yield path

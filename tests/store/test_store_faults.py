@@ -52,7 +52,7 @@ def mount(path: Path, *options: str) -> None:
 def tmpfs(tmp_path: Path):
     """A small real filesystem: ENOSPC and EROFS from the kernel, not from a mock."""
     path = tmp_path / "tmpfs"
-    mount(path, "size=1m")
+    mount(path, "size=1m", "mode=0700")  # a store refuses a folder others can write (tmpfs: 1777)
     yield path
     subprocess.run(["umount", "-l", str(path)], check=False)
 
