@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from kvlab.cache.geometry import resolve_model
 from kvlab.cache.layouts import LAYOUTS, get_layout
@@ -17,6 +18,8 @@ from kvlab.cache.segments import transfer_cost
 from kvlab.results import default_results_path
 from kvlab.runtime.notebooks import PROFILES
 from kvlab.transfer.registry import ALL_METHODS
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # what a service manager and a closed terminal send
 
 
 def _parse_block_ids(text: str) -> str | list[int]:
@@ -205,13 +208,16 @@ def run_lmeval(args: argparse.Namespace) -> int:
 
 
 def run_lab(args: argparse.Namespace, jupyter_args: Sequence[str]) -> int:
-    """JupyterLab on the notebooks until Ctrl-C (or until it is shut down from its File
-    menu); prints the URL to open, token included, and where its log goes."""
+    """JupyterLab on the notebooks until Ctrl-C, SIGTERM or SIGHUP (or until it is shut down
+    from its File menu); prints the URL to open, token included, and where its log goes."""
     from kvlab.runtime.lab import JupyterLab, LabError
     from kvlab.runtime.notebooks import NOTEBOOKS_DIR
 
     lab = JupyterLab(args.notebooks_dir or NOTEBOOKS_DIR, port=args.port, token=args.token,
                      open_browser=not args.no_browser, extra_args=jupyter_args)
+    # JupyterLab runs in a process group of its own, which a service manager's SIGTERM or a closed
+    # terminal's SIGHUP does not reach: each becomes a Ctrl-C, so the with block stops it
+    previous = {sig: signal.signal(sig, _interrupt) for sig in STOP_SIGNALS}
     try:
         with lab:
             print(f"JupyterLab on {lab.notebooks_dir}: open {lab.lab_url()}\n"
@@ -222,6 +228,16 @@ def run_lab(args: argparse.Namespace, jupyter_args: Sequence[str]) -> int:
     except LabError as exc:
         print(f"kvlab: error: {exc}", file=sys.stderr)
         return 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    """The first SIGTERM or SIGHUP is a Ctrl-C; later ones are ignored, so they do not cut the stop short."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 def main(argv: Sequence[str] | None = None) -> int:

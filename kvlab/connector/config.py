@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
+from kvlab.store.secrets import redact, resolve_redis_url
 from kvlab.transfer.registry import METHODS
 
 CROSS_LAYER_LAYOUT = "BLHNC"
@@ -17,6 +21,40 @@ STORE_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]+")
 # Where chunks can live, in the order a lookup tries them: the worker's own memory, files
 # in a host-shared memory folder, files on disk, a Redis server.
 TIERS = ("memory", "shm", "disk", "redis")
+# The key bounding each tier's bytes (the Redis server bounds its own).
+BUDGETS = {"memory": "store_bytes", "shm": "shm_bytes", "disk": "disk_bytes"}
+
+
+def _check_redis_url(url: str) -> None:
+    """Raise ValueError naming redis_url (its password redacted) unless redis-py can use it and
+    the password file or variable it names holds a password."""
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(f"KVLabConnector: redis_url must start with redis://, rediss:// or unix://, "
+                         f"got {redact(url)!r}")
+    try:
+        urlsplit(url).port
+    except ValueError:
+        raise ValueError(f"KVLabConnector: redis_url's port must be a number, got {redact(url)!r}") from None
+    try:
+        resolve_redis_url(url)
+    except ValueError as error:
+        raise ValueError(f"KVLabConnector: {error}") from None
+
+
+def _room(tier: str, config: ConnectorConfig) -> tuple[int, str] | None:
+    """The most bytes ``tier`` could ever hold here, and what bounds it: the machine's memory,
+    or the size of the filesystem of its folder (or of the nearest folder above it that
+    exists); None where that cannot be told."""
+    try:
+        if tier == "memory":
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory"
+        folder = Path(config.disk_path if tier == "disk" else config.shm_folder)
+        while not folder.exists():
+            folder = folder.parent
+        stats = os.statvfs(folder)
+    except (ValueError, OSError, AttributeError):  # no such sysconf name, no statvfs (Windows)
+        return None
+    return stats.f_frsize * stats.f_blocks, f"the filesystem of {folder}"
 
 
 @dataclass(frozen=True)
@@ -29,7 +67,10 @@ class ConnectorConfig:
     store: str = "cpu"  # shorthand for tiers: "cpu" = memory; "disk" = memory, then disk
     disk_path: str | None = None
     shm_path: str | None = None  # default /dev/shm/kvlab-<store_name>
-    redis_url: str | None = None  # e.g. redis://127.0.0.1:6379/0
+    # e.g. redis://127.0.0.1:6379/0; a password by name, kept out of vLLM's logs of its arguments:
+    # redis://127.0.0.1:6379/0?password_file=/path/file (its first line) or ?password_env=VARIABLE
+    # (kvlab.store.secrets); redis://:password@127.0.0.1:6379/0 works too, but vLLM logs it
+    redis_url: str | None = None
     store_bytes: int = 2 << 30  # each worker's memory budget; least recently used chunks go first
     disk_bytes: int = 16 << 30
     shm_bytes: int = 4 << 30
@@ -41,9 +82,12 @@ class ConnectorConfig:
 
     @classmethod
     def parse(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
+        if extra is not None and not isinstance(extra, Mapping):
+            raise ValueError(f"KVLabConnector: kv_connector_extra_config must be a mapping of keys to values, "
+                             f"got {type(extra).__name__}")
         extra = dict(extra or {})
         known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(extra) - set(known))
+        unknown = sorted(set(extra) - set(known), key=str)
         if unknown:
             raise ValueError(f"KVLabConnector: unknown kv_connector_extra_config key(s) {unknown}; "
                              f"known keys are {sorted(known)}")
@@ -51,16 +95,18 @@ class ConnectorConfig:
             if name in extra and not isinstance(extra[name], bool):
                 raise ValueError(f"KVLabConnector: {name} must be true or false, got {extra[name]!r}")
         for name in ("store_bytes", "disk_bytes", "shm_bytes", "chunk_size"):
-            value = extra.get(name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            if name not in extra or (name == "chunk_size" and extra[name] is None):  # None: the default chunk
+                continue
+            value = extra[name]
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"KVLabConnector: {name} must be a positive integer, got {value!r}")
         for name in ("disk_path", "shm_path", "redis_url", "store_name", "store", "method", "verify"):
             if name in extra and (not isinstance(extra[name], str) or not extra[name]):
                 raise ValueError(f"KVLabConnector: {name} must be a non-empty string, got {extra[name]!r}")
         for name in ("disk_path", "shm_path"):  # every vLLM process must mean the same folder
-            if name in extra and not os.path.isabs(extra[name]):
+            if name in extra and (not os.path.isabs(extra[name]) or "\0" in extra[name]):
                 raise ValueError(f"KVLabConnector: {name} must be an absolute path, got {extra[name]!r}")
-        if extra.get("shm_path") and os.path.normpath(extra["shm_path"]) in SHARED_ROOTS:
+        if extra.get("shm_path") and os.path.realpath(extra["shm_path"]) in map(os.path.realpath, SHARED_ROOTS):
             raise ValueError(f"KVLabConnector: shm_path must be a folder of kvlab's own (it evicts chunk files "
                              f"there), not {extra['shm_path']!r}: e.g. /dev/shm/kvlab-<name>")
         if "store_name" in extra and not STORE_NAME.fullmatch(extra["store_name"]):
@@ -89,6 +135,13 @@ class ConnectorConfig:
         for key, tier in (("redis_url", "redis"), ("shm_path", "shm")):
             if getattr(config, key) and tier not in tiers:
                 raise ValueError(f"KVLabConnector: {key} is only used with the {tier} tier; tiers are {list(tiers)}")
+        if config.redis_url:
+            _check_redis_url(config.redis_url)
+        for tier, key in BUDGETS.items():  # an absurd budget given by hand; the defaults adapt (ENOSPC)
+            room = _room(tier, config) if key in extra and tier in tiers else None
+            if room and getattr(config, key) > room[0]:
+                raise ValueError(f"KVLabConnector: {key} ({getattr(config, key):,} bytes) is more than {room[1]} "
+                                 f"holds ({room[0]:,} bytes)")
         if config.method not in METHODS:
             raise ValueError(f"KVLabConnector: method must be one of {list(METHODS)}, got {config.method!r}")
         if config.verify not in ("always", "disk"):
@@ -109,6 +162,16 @@ class ConnectorConfig:
     @property
     def shm_folder(self) -> str:
         return self.shm_path or f"/dev/shm/kvlab-{self.store_name}"
+
+    def check_budgets(self, chunk_bytes: int) -> None:
+        """Raise ValueError naming the key when a tier in use has a budget smaller than one
+        chunk of ``chunk_bytes``: it would skip every write (known once the engine's geometry is)."""
+        for tier, key in BUDGETS.items():
+            budget = getattr(self, key)
+            if tier in self.tier_names and budget < chunk_bytes:
+                raise ValueError(f"KVLabConnector: {key} ({budget:,} bytes) is smaller than one chunk of this model's "
+                                 f"KV ({chunk_bytes:,} bytes), so the {tier} tier would keep nothing; raise {key} "
+                                 f"or lower chunk_size")
 
     def chunk_blocks(self, block_size: int) -> int:
         if self.chunk_size is None:

@@ -23,6 +23,7 @@ from typing import Any
 
 from kvlab.cache.geometry import ModelGeometry
 from kvlab.runtime.processes import run_child
+from kvlab.store.secrets import resolve_redis_url
 
 
 def lmcache_redis_costs(url: str, geometry: ModelGeometry, tokens: int = 2048, chunk_tokens: int = 256,
@@ -85,10 +86,11 @@ def _child(job_path: str, out_path: str) -> None:
         def get_shape(self, num_tokens):
             return torch.Size([2, layers, num_tokens, heads * head_size])
 
-    client = redis.Redis.from_url(job["url"])
+    url = resolve_redis_url(job["url"])  # LMCache takes the password in the URL (and logs it in this child)
+    client = redis.Redis.from_url(url)
     client.ping()
     config = LMCacheEngineConfig.from_defaults(chunk_size=chunk, local_cpu=False, max_local_cpu_size=0.5,
-                                               remote_url=job["url"].rsplit("/", 1)[0], remote_serde="naive",
+                                               remote_url=url.rsplit("/", 1)[0], remote_serde="naive",
                                                save_unfull_chunk=False, enable_async_loading=False)
     metadata = LMCacheMetadata(model_name=job["model"], world_size=1, local_world_size=1, worker_id=0,
                                local_worker_id=0, kv_dtype=dtype, kv_shape=(layers, 2, chunk, heads, head_size),

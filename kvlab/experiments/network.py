@@ -20,6 +20,7 @@ from kvlab.cache.geometry import ModelGeometry
 from kvlab.runtime.progress import progress
 from kvlab.store.chunk import Chunk
 from kvlab.store.keys import signature
+from kvlab.store.secrets import resolve_redis_url
 from kvlab.store.tiers import RedisTier, StoreStats
 from kvlab.transfer.engine import Transfer, host_buffer
 from kvlab.transfer.plan import copy_plan
@@ -177,7 +178,7 @@ def redis_prefix_costs(url: str, geometry: ModelGeometry, layouts: Sequence[str]
     if tokens % chunk_tokens or chunk_tokens % geometry.block_size:
         raise ValueError(f"tokens ({tokens}) must be whole chunks of chunk_tokens ({chunk_tokens}), "
                          f"and a chunk whole blocks of {geometry.block_size}")
-    client = redis.Redis.from_url(url, socket_timeout=30)
+    client = redis.Redis.from_url(resolve_redis_url(url), socket_timeout=30)
     client.ping()
     blocks = tokens // geometry.block_size
     per_chunk = chunk_tokens // geometry.block_size

@@ -14,6 +14,7 @@ worker (the connector's worker side, with the KV) are three processes.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
@@ -27,7 +28,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 from kvlab.runtime.configs import kv_transfer_config
 from kvlab.runtime.models import DEFAULT_DTYPES, NAMES, model_path
@@ -40,6 +41,7 @@ HOST = "127.0.0.1"
 SINGLE_PROCESS_ENGINE = "VLLM_ENABLE_V1_MULTIPROCESSING"
 LOG_TAIL_LINES = 40
 KILL_WAIT = 10.0  # seconds for SIGKILLed processes to go
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 # vLLM's ERROR log lines and the last line of a traceback.
 ERROR_LINE = re.compile(r" ERROR |^\w+(Error|Exception): ")
@@ -100,10 +102,33 @@ def log_tail(path: str | Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(tail)
 
 
+def _die_with_owner() -> Callable[[], None] | None:
+    """Popen's ``preexec_fn`` that has Linux send the server SIGTERM when its owner dies, even
+    by SIGKILL (``prctl(PR_SET_PDEATHSIG)``), since its own process group spares it every
+    signal sent to the owner's. Linux sends it when the *thread* that started the server
+    ends, not the process: start a server from a thread that lives as long as it should (the
+    main thread, or the one whose ``with`` block holds it). Only the server gets it; what it
+    started goes when it does (vLLM's engine core, JupyterLab's kernels). None without prctl
+    (macOS): there a SIGKILLed owner leaves its servers running."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    owner = os.getpid()
+
+    def in_child() -> None:
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+        if os.getppid() != owner:  # the owner died before prctl: no signal would come
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return in_child
+
+
 class ManagedServer:
     """A server command run in a process group of its own, its output in a log file:
     started, waited for until it answers, and stopped with everything it started, also
-    when the code using it fails. Subclasses are dataclasses with the fields ``port``,
+    when the code using it fails, and sent SIGTERM when its owner dies (Linux; see
+    :func:`_die_with_owner`). Subclasses are dataclasses with the fields ``port``,
     ``log_path``, ``startup_timeout``, ``stop_grace``, ``process`` and ``startup_seconds``,
     and give ``command()``, ``environment()`` and ``_ready()``."""
 
@@ -118,7 +143,8 @@ class ManagedServer:
         with open(self.log_path, "wb") as log:
             try:
                 self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                                env=self.environment(), start_new_session=True)
+                                                env=self.environment(), start_new_session=True,
+                                                preexec_fn=_die_with_owner())
             except OSError as error:
                 raise self.error(f"cannot run {command[0]} ({error.strerror})") from error
         try:

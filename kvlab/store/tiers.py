@@ -23,6 +23,7 @@ import torch
 
 from kvlab.store.chunk import _SUFFIX, Chunk, Header, authentic, chunk_from, encode_header, parse_header, payload
 from kvlab.store.keys import valid_key
+from kvlab.store.secrets import redact, resolve_redis_url
 
 logger = logging.getLogger("kvlab.store")
 
@@ -469,10 +470,11 @@ class RedisTier:
         """``auth_key``: as the disk tier's (every value carries a MAC; one without a valid one is refused)."""
         import redis
 
-        self.url = url
+        self.url = redact(url)  # for messages: the password never appears in them
         self.stats = stats
         self.auth_key = auth_key
-        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.client = redis.Redis.from_url(resolve_redis_url(url), socket_timeout=timeout_s,
+                                           socket_connect_timeout=timeout_s)
         self._errors = (redis.RedisError, OSError)
         self._paused_until = 0.0
         self._retry_s = RETRY_FIRST_S

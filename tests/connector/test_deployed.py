@@ -154,8 +154,6 @@ def test_redis_tier_serves_another_engine_and_absorbs_its_faults(redis_server):
     """Engine A stores through Redis; engine B (another process, another host) hits and
     gets the same bytes; a damaged value is a miss; a dead server makes every lookup a
     quick miss and every save a counted error, never an exception."""
-    import redis
-
     extra = redis_server.extra()
     scheduler, (worker,) = engine(extra)
     prefill(scheduler, worker, "a", PROMPT, [0, 1, 2, 3, 4])
@@ -165,7 +163,7 @@ def test_redis_tier_serves_another_engine_and_absorbs_its_faults(redis_server):
     assert prefill(scheduler_b, worker_b, "b", PROMPT, [5, 6, 7, 8, 9])["hit_tokens"] == 4 * BS
     assert torch.equal(blocks_of(worker_b, [5, 6, 7, 8]), expected)
 
-    client = redis.Redis.from_url(redis_server.url)
+    client = redis_server.client()
     for key in client.keys("kvlab:c:*"):
         value = bytearray(client.get(key))
         value[-3] ^= 0x10

@@ -1,11 +1,15 @@
-"""JupyterLab (kvlab.runtime.lab, ``python -m kvlab lab``): the command it runs, and, in a
-headless browser, notebook 01 run from JupyterLab's Run menu with its ipywidgets explorer
-redrawing when its controls change (the widgets' front end, their messages to the kernel
-and back). The browser works on a copy of the notebook: the one in notebooks/ stays as it is."""
+"""JupyterLab (kvlab.runtime.lab, ``python -m kvlab lab``): the command it runs, that stopping
+the command stops JupyterLab, and, in a headless browser, notebook 01 run from JupyterLab's
+Run menu with its ipywidgets explorer redrawing when its controls change (the widgets' front
+end, their messages to the kernel and back). The browser works on a copy of the notebook: the
+one in notebooks/ stays as it is."""
 
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -40,6 +44,48 @@ def test_command(tmp_path):
     assert len(JupyterLab(tmp_path).token) >= 32  # a random one when none is given
     with pytest.raises(FileNotFoundError, match="no notebooks folder"):
         JupyterLab(tmp_path / "missing")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP])
+def test_a_stopped_lab_command_stops_jupyterlab(tmp_path, stop):
+    """``python -m kvlab lab`` stopped by a service manager (SIGTERM) or a closed terminal
+    (SIGHUP) stops JupyterLab, which runs in a process group of its own, and exits 0."""
+    pytest.importorskip("jupyterlab", reason="JupyterLab is not installed")
+    (tmp_path / "notebooks").mkdir()
+    command = subprocess.Popen([sys.executable, "-m", "kvlab", "lab", "--no-browser", "--notebooks-dir",
+                                str(tmp_path / "notebooks")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, env={**os.environ, **own_settings(tmp_path / "lab")})
+    lab = None
+    try:
+        output = []
+        for line in command.stdout:  # until it says JupyterLab is up, or exits
+            output.append(line)
+            if "open http://127.0.0.1:" in line:
+                break
+        assert output and "open http://127.0.0.1:" in output[-1], "".join(output)
+        (lab,) = children(command.pid)  # JupyterLab, the leader of a process group of its own
+        command.send_signal(stop)
+        assert command.wait(timeout=60) == 0
+        assert JupyterLab._live_members(lab) == [], "JupyterLab outlived the lab command"
+    finally:
+        command.kill()
+        if lab is not None and JupyterLab._live_members(lab):
+            os.killpg(lab, signal.SIGKILL)
+
+
+def children(pid: int) -> list[int]:
+    """The processes ``pid`` started that still run (Linux /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        state, parent = text[text.rindex(")") + 2:].split()[:2]
+        if int(parent) == pid and state != "Z":
+            found.append(int(stat.parent.name))
+    return found
 
 
 class Screenshots:

@@ -1,0 +1,59 @@
+"""A Redis URL that names its password instead of carrying it, and redaction of passwords in
+messages: vLLM logs its arguments (``kv_connector_extra_config`` included) and kvlab's own
+errors quote the URL, so a password written in the URL would end up in every log.
+
+``redis://127.0.0.1:6379/0?password_file=/path/to/file`` reads the password from that file
+(its first line; keep it mode 0600), ``redis://127.0.0.1:6379/0?password_env=NAME`` from the
+environment variable ``NAME``. :func:`resolve_redis_url` puts it in for ``redis.Redis.from_url``
+only; everything shown to people goes through :func:`redact`."""
+
+from __future__ import annotations
+
+import os
+import re
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
+
+PASSWORD_FILE, PASSWORD_ENV = "password_file", "password_env"
+# a URL's user information (up to its host) and redis-py's ?password= query argument
+_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^:/?#@\s]*):[^/?#\s]*@")
+_QUERY_PASSWORD = re.compile(r"(?P<key>[?&]password=)[^&#\s'\"]*")
+
+
+def resolve_redis_url(url: str) -> str:
+    """``url`` with the password its ``password_file`` or ``password_env`` names in place of
+    that argument, for ``redis.Redis.from_url``; ``url`` itself when it names none. A
+    missing file, unset variable or empty password is a ValueError naming the argument."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    named = [(key, value) for key, value in query if key in (PASSWORD_FILE, PASSWORD_ENV)]
+    if not named:
+        return url
+    if len(named) > 1 or parts.password is not None or any(key == "password" for key, _ in query):
+        raise ValueError(f"redis_url: give one of a password, {PASSWORD_FILE} or {PASSWORD_ENV}, not several")
+    key, value = named[0]
+    if key == PASSWORD_FILE:
+        try:
+            with open(value, encoding="utf-8") as file:
+                password = file.readline().rstrip("\r\n")
+        except OSError as error:
+            raise ValueError(f"redis_url: {PASSWORD_FILE} {value!r} cannot be read ({error.strerror})") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"redis_url: {PASSWORD_FILE} {value!r} is not UTF-8 text") from None
+        if not password:
+            raise ValueError(f"redis_url: {PASSWORD_FILE} {value!r} holds no password on its first line")
+    else:
+        password = os.environ.get(value, "")
+        if not password:
+            raise ValueError(f"redis_url: {PASSWORD_ENV} names {value!r}, an environment variable that is "
+                             + ("empty" if value in os.environ else "not set"))
+    user, _, host = parts.netloc.rpartition("@")
+    netloc = f"{user}:{quote(password, safe='')}@{host}"
+    rest = urlencode([(k, v) for k, v in query if k != key])
+    return urlunsplit((parts.scheme, netloc, parts.path, rest, parts.fragment))
+
+
+def redact(text: str) -> str:
+    """``text`` (a URL or a message quoting one) with the password of every URL in it as ``***``
+    (in its user information, or a Redis URL's ``?password=``)."""
+    text = _USERINFO.sub(r"\g<scheme>\g<user>:***@", text)
+    return _QUERY_PASSWORD.sub(r"\g<key>***", text)
