@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvlab.store.secrets import redact, resolve_redis_url
+from kvlab.store.secrets import read_auth_key, redact, resolve_redis_url
 from kvlab.transfer.registry import METHODS
 
 CROSS_LAYER_LAYOUT = "BLHNC"
@@ -78,6 +78,9 @@ class ConnectorConfig:
     method: str = "gather"  # kvlab.transfer copy method
     verify: str = "disk"  # "disk": CRC of every chunk read from a shared tier; "always": also in memory
     async_saves: bool = True  # saves run beside the forward; a request's blocks are held until saved
+    # "file:/path" or "env:VARIABLE" naming a secret of 16+ bytes: every chunk of a shared tier then
+    # carries an HMAC-SHA256 under it, and one without a valid MAC is never loaded (docs/reliability.md)
+    auth_key: str | None = None
     store_name: str = "default"  # names the shared-memory folder and this process's counters
 
     @classmethod
@@ -100,7 +103,7 @@ class ConnectorConfig:
             value = extra[name]
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"KVLabConnector: {name} must be a positive integer, got {value!r}")
-        for name in ("disk_path", "shm_path", "redis_url", "store_name", "store", "method", "verify"):
+        for name in ("disk_path", "shm_path", "redis_url", "store_name", "store", "method", "verify", "auth_key"):
             if name in extra and (not isinstance(extra[name], str) or not extra[name]):
                 raise ValueError(f"KVLabConnector: {name} must be a non-empty string, got {extra[name]!r}")
         for name in ("disk_path", "shm_path"):  # every vLLM process must mean the same folder
@@ -142,6 +145,14 @@ class ConnectorConfig:
             if room and getattr(config, key) > room[0]:
                 raise ValueError(f"KVLabConnector: {key} ({getattr(config, key):,} bytes) is more than {room[1]} "
                                  f"holds ({room[0]:,} bytes)")
+        if config.auth_key is not None:
+            if not config.shared_tiers:
+                raise ValueError("KVLabConnector: auth_key signs the shared tiers' chunks; tiers are "
+                                 f"{list(tiers)}, none of them shared")
+            try:
+                read_auth_key(config.auth_key)
+            except ValueError as error:
+                raise ValueError(f"KVLabConnector: {error}") from None
         if config.method not in METHODS:
             raise ValueError(f"KVLabConnector: method must be one of {list(METHODS)}, got {config.method!r}")
         if config.verify not in ("always", "disk"):
@@ -186,4 +197,5 @@ class ConnectorConfig:
         tiers = self.tier_names
         return {"disk_path": self.disk_path if "disk" in tiers else None, "disk_capacity_bytes": self.disk_bytes,
                 "shm_path": self.shm_folder if "shm" in tiers else None, "shm_capacity_bytes": self.shm_bytes,
-                "redis_url": self.redis_url if "redis" in tiers else None, "verify": self.verify}
+                "redis_url": self.redis_url if "redis" in tiers else None, "verify": self.verify,
+                "auth_key": read_auth_key(self.auth_key) if self.auth_key else None}

@@ -75,7 +75,7 @@ class KVLabConnector(KVConnectorBase_V1):
                                "when a worker loads it fails its request; 'recompute' recomputes it instead",
                                self._kv_transfer_config.kv_load_failure_policy)
         else:
-            self.worker = WorkerSide(self.config, self._stats)
+            self.worker = WorkerSide(self.config, self._stats, self._kv_transfer_config.engine_id)
 
     @property
     def stats(self) -> ConnectorStats:
@@ -197,6 +197,8 @@ class KVLabConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()
+        if self.scheduler is not None:
+            self.scheduler.shutdown()
 
     # ---- scheduler side ----------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:

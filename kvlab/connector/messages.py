@@ -50,6 +50,10 @@ class KVLabMetadata(KVConnectorMetadata):
     drops: list[str] = field(default_factory=list)  # memory chunks the scheduler evicted
     reset_memory: bool = False  # forget every memory chunk
     preempted: set[str] = field(default_factory=set)  # requests whose blocks are about to be reused
+    # requests whose load failed and that the scheduler has planned again from their first
+    # chunk: their saves hold recomputed KV from this step on
+    replanned: set[str] = field(default_factory=set)
+    weights_epoch: str = ""  # the weights the keys of this step's loads were made for ("" as loaded at start-up)
 
 
 @dataclass
@@ -59,11 +63,14 @@ class KVLabWorkerMeta(KVConnectorWorkerMetadata):
     stored: Counter = field(default_factory=Counter)  # memory chunk key -> workers that stored it
     failed: set[str] = field(default_factory=set)  # memory chunks some worker could not store
     signature: str | None = None  # the workers' cache (model, dtype, layout), once
+    load_failed: set[str] = field(default_factory=set)  # requests some of whose blocks did not load
+    missed: set[tuple[str, str]] = field(default_factory=set)  # (tier, chunk key) a load found unusable there
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVLabWorkerMeta:
         assert isinstance(other, KVLabWorkerMeta)
         return KVLabWorkerMeta(self.stored + other.stored, self.failed | other.failed,
-                               self.signature or other.signature)
+                               self.signature or other.signature, self.load_failed | other.load_failed,
+                               self.missed | other.missed)
 
     def __bool__(self) -> bool:
-        return bool(self.stored or self.failed or self.signature)
+        return bool(self.stored or self.failed or self.signature or self.load_failed or self.missed)

@@ -28,7 +28,7 @@ from kvlab.connector.stores import ConnectorStats
 COUNTERS = tuple(f.name for f in fields(ConnectorStats) if f.name != "layout")
 # The scheduler side counts lookups and hits, the worker side the rest: in one process (vLLM's
 # single-process engine) both sides share one ConnectorStats and each reports only its own.
-SCHEDULER_COUNTERS = ("lookups", "hit_tokens")
+SCHEDULER_COUNTERS = ("lookups", "hit_tokens", "preemptions")
 WORKER_COUNTERS = tuple(name for name in COUNTERS if name not in SCHEDULER_COUNTERS)
 
 PROM_COUNTERS = {

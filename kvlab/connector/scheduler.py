@@ -11,6 +11,7 @@ which is when vLLM frees its blocks. Imports vLLM only for types."""
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,7 @@ from kvlab.connector.index import MemoryIndex
 from kvlab.connector.keys import model_seed, request_keys
 from kvlab.connector.messages import KVLabMetadata, KVLabWorkerMeta, LoadSpec, SaveSpec, Source
 from kvlab.connector.stores import ConnectorStats, lookup_store
+from kvlab.connector.weights import START_EPOCH, forget_epoch, weights_epoch
 from kvlab.store.keys import block_hashes, shard_key
 
 if TYPE_CHECKING:
@@ -31,6 +33,9 @@ logger = logging.getLogger("kvlab.connector")
 # Engine steps lookups may wait for the workers to say what cache they hold (one is enough:
 # they say it in their first step's output); then the shared tiers are left out.
 SIGNATURE_WAIT_STEPS = 100
+# Shared chunks the scheduler remembers having checked (each costs a read): the most
+# recently used ones are kept, and each is trusted only while its file is the one checked.
+CHECKED_CHUNKS = 4096
 
 
 @dataclass
@@ -52,9 +57,12 @@ class SchedulerSide:
         self.stats = stats
         self.block_size = vllm_config.cache_config.block_size
         self.chunk_blocks = config.chunk_blocks(self.block_size)
-        self.seed = model_seed(vllm_config)
+        self.model_seed = model_seed(vllm_config)
+        self.engine_id = getattr(vllm_config.kv_transfer_config, "engine_id", None)
+        self.epoch = START_EPOCH
         self.workers = _tensor_parallel_ranks(vllm_config)
         self.block_bytes = _block_bytes(vllm_config, kv_cache_config)
+        config.check_budgets(self.chunk_blocks * self.block_bytes)
         self.memory = MemoryIndex(config.store_bytes, self.workers) if "memory" in config.tier_names else None
         self.shared = lookup_store(config)
         if self.shared is not None:
@@ -62,17 +70,36 @@ class SchedulerSide:
                 tier.check()  # a tier that cannot be reached fails start-up
         self.signature: str | None = None  # the workers' cache, once they report it
         self._requests: dict[str, _RequestState] = {}
-        self._checked: dict[tuple[str, str], bool] = {}  # (tier, chunk key) -> intact and of this cache
+        # (tier, chunk key) -> (the stored chunk's identity when checked, intact and of this cache)
+        self._checked: OrderedDict[tuple[str, str], tuple[object, bool]] = OrderedDict()
+        self._replanned: set[str] = set()
         self._located: dict[tuple[str, str], tuple[str, int] | None] = {}  # (tier, shard key) -> where, this lookup
         self._pinned: list[str] = []
         self._drops: list[str] = []
         self._reset = False
         self._waits = 0
 
+    @property
+    def seed(self) -> str:
+        """What every key covers besides tokens: the model, and the weights epoch once
+        weights were loaded into the running engine (kvlab.connector.weights)."""
+        return self.model_seed if self.epoch == START_EPOCH else f"{self.model_seed}|epoch {self.engine_id} {self.epoch}"
+
+    def _follow_weights(self) -> None:
+        """New weights were loaded: every key changes, and the workers' memory chunks (of the
+        old weights) can go."""
+        epoch = weights_epoch(self.engine_id)
+        if epoch != self.epoch:
+            logger.info("KVLabConnector: new weights were loaded into the engine; KV of the old weights "
+                        "is not loaded from now on")
+            self.epoch = epoch
+            self.reset_cache()
+
     # ---- lookups -------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.shared is not None and self.signature is None and self._waits < SIGNATURE_WAIT_STEPS:
             return None, False  # the workers report their cache with their first step's output
+        self._follow_weights()
         prompt = list(request.prompt_token_ids or [])
         state = _RequestState(block_hashes(prompt, self.block_size, self.seed, request_keys(request, self.block_size)))
         earlier = self._requests.get(request.request_id)  # looked up again after a preemption
@@ -85,10 +112,7 @@ class SchedulerSide:
             return None, False
         state.matched = matched
         state.local_blocks = num_computed_tokens // self.block_size
-        self.stats.lookups += 1
-        external = max(0, len(matched) - state.local_blocks) * self.block_size
-        self.stats.hit_tokens += external
-        return external, False
+        return max(0, len(matched) - state.local_blocks) * self.block_size, False
 
     def _match(self, keys: list[str]) -> list[Source] | None:
         """Where each leading block of ``keys`` can be loaded from, for every worker."""
@@ -149,24 +173,40 @@ class SchedulerSide:
         return self.shared is not None
 
     def _intact(self, tier: Any, chunk_key: str) -> bool:
-        """Read and check a shared chunk once (checksum, and that it fits the workers'
-        cache); a damaged or foreign one is never promised to a worker."""
-        if (tier.name, chunk_key) not in self._checked:
+        """Read and check a shared chunk (checksum, and that it fits the workers' cache)
+        before it is promised to a worker, again whenever it changed or vanished since (one
+        stat tells) or a worker could not load it; a damaged or foreign one is never
+        promised."""
+        memo = (tier.name, chunk_key)
+        identity = tier.identity(chunk_key)
+        if identity is None:
+            self._checked.pop(memo, None)
+            return False
+        if memo not in self._checked or self._checked[memo][0] != identity:
             chunk = tier.get(chunk_key)
-            self._checked[(tier.name, chunk_key)] = chunk is not None and chunk.signature == self.signature
-        return self._checked[(tier.name, chunk_key)]
+            self._checked[memo] = (identity, chunk is not None and chunk.signature == self.signature)
+            if len(self._checked) > CHECKED_CHUNKS:
+                self._checked.popitem(last=False)
+        self._checked.move_to_end(memo)
+        return self._checked[memo][1]
 
     def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
+        """vLLM took the hit: counted once per request, however often it was looked up while
+        it waited."""
         state = self._requests.get(request.request_id)
         if state is not None:
             state.load_blocks = num_external_tokens // self.block_size
+            self.stats.lookups += 1
+            self.stats.hit_tokens += num_external_tokens
 
     # ---- each step ---------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVLabMetadata:
         self._unpin()
         meta = KVLabMetadata(drops=self._drops, reset_memory=self._reset,
-                             preempted=set(getattr(scheduler_output, "preempted_req_ids", None) or ()))
-        self._drops, self._reset = [], False
+                             preempted=set(getattr(scheduler_output, "preempted_req_ids", None) or ()),
+                             replanned=self._replanned, weights_epoch=self.epoch)
+        self._drops, self._reset, self._replanned = [], False, set()
+        self.stats.preemptions += len(meta.preempted)
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
@@ -242,6 +282,20 @@ class SchedulerSide:
             if self.memory is not None:
                 self.memory.forget(chunk_key)
                 self._drops.append(chunk_key)  # a worker that did store it must not keep it alone
+        for memo in worker_meta.missed:  # checked again before it is promised again
+            self._checked.pop(memo, None)
+        for req_id in worker_meta.load_failed:
+            self._replan(req_id)
+
+    def _replan(self, req_id: str) -> None:
+        """A load of ``req_id`` failed: its workers cancelled its saves, vLLM recomputes from
+        the first failed block, so every chunk is planned again (the ones every tier
+        still holds are skipped), and written through again where a tier lost it."""
+        state = self._requests.get(req_id)
+        if state is not None:
+            state.next_chunk = 0
+            state.shared_held = set()
+        self._replanned.add(req_id)
 
     def _unpin(self) -> None:
         for chunk_key in self._pinned:
@@ -265,6 +319,9 @@ class SchedulerSide:
         self._pinned = []
         self._reset = True
         return True
+
+    def shutdown(self) -> None:
+        forget_epoch(self.engine_id)
 
 
 def _tensor_parallel_ranks(vllm_config: VllmConfig) -> int:

@@ -20,8 +20,9 @@ UNBOUNDED = 1 << 62
 class ConnectorStats:
     """What the connectors of one store did in this process (for notebooks and tests)."""
 
-    lookups: int = 0
+    lookups: int = 0  # requests vLLM admitted after a lookup
     hit_tokens: int = 0
+    preemptions: int = 0  # requests vLLM preempted (their blocks reused; loaded again when resumed)
     loaded_blocks: int = 0
     saved_blocks: int = 0
     load_segments: int = 0  # contiguous runs copied (one per block for a cross-layer cache)
@@ -31,6 +32,8 @@ class ConnectorStats:
     save_work_seconds: float = 0.0  # the saves' own work, beside the forward with async saves
     load_errors: int = 0  # loads that failed; vLLM recomputes their blocks
     save_errors: int = 0  # saves that failed; nothing stored, the request unaffected
+    cancelled_saves: int = 0  # saves of blocks a failed load left wrong: nothing stored
+    fallback_loads: int = 0  # chunks loaded from another tier than the one first named
     layout: str | None = None
 
 

@@ -26,6 +26,7 @@ from kvlab.connector.config import ConnectorConfig
 from kvlab.connector.geometry import on_cpu
 from kvlab.connector.messages import KVLabMetadata, KVLabWorkerMeta, LoadSpec, SaveSpec
 from kvlab.connector.stores import ConnectorStats, worker_store
+from kvlab.connector.weights import watch_weight_loads, weights_epoch
 from kvlab.store.chunk import Chunk
 from kvlab.store.keys import shard_key, signature
 from kvlab.transfer.common import in_callers_mode
@@ -69,9 +70,11 @@ def cross_layer_decision(asked: bool, cache: KVCache) -> str:
 
 
 class WorkerSide:
-    def __init__(self, config: ConnectorConfig, stats: ConnectorStats) -> None:
+    def __init__(self, config: ConnectorConfig, stats: ConnectorStats, engine_id: str | None = None) -> None:
         self.config = config
         self.stats = stats
+        self.engine_id = engine_id
+        watch_weight_loads()
         self.store = worker_store(config)
         self.rank, self.workers = tensor_parallel_rank()
         self.cache: KVCache | None = None
@@ -87,6 +90,14 @@ class WorkerSide:
         self._finished: set[str] = set()  # finished requests waiting for their saves
         self._stored: Counter = Counter()
         self._failed: set[str] = set()
+        # A failed load leaves its blocks holding another request's KV, and whatever the
+        # forward computes on top of them is wrong too: the request's saves are cancelled
+        # until the scheduler has planned them again over recomputed blocks.
+        self._step_failed: set[str] = set()  # requests whose load failed in this step
+        self._step_failed_blocks: set[int] = set()
+        self._tainted: set[str] = set()  # requests whose saves are cancelled
+        self._load_failed: set[str] = set()  # reported to the scheduler
+        self._missed: set[tuple[str, str]] = set()
 
     # ---- registration ------------------------------------------------------------------
     def register(self, cache: KVCache) -> None:
@@ -112,6 +123,8 @@ class WorkerSide:
             return
         start = time.perf_counter()
         try:
+            if meta.weights_epoch != weights_epoch(self.engine_id):
+                raise RuntimeError("the weights changed since these blocks were looked up")
             self._start_loads(meta.loads)
         except Exception as error:  # a load that cannot run is recomputed, never fatal
             self._fail_loads(meta.loads, error)
@@ -121,8 +134,8 @@ class WorkerSide:
         sources = []
         for spec in loads:
             for chunk, positions, block_ids in self._by_chunk(spec):
-                if chunk is None or chunk.signature != self.signature:
-                    self._load_errors.update(block_ids)
+                if chunk is None:
+                    self._fail(spec.req_id, block_ids)
                     self.stats.load_errors += 1
                     continue
                 sources.append((chunk.buffer, positions, block_ids))
@@ -146,6 +159,21 @@ class WorkerSide:
         return [(chunk, positions, block_ids) for _, chunk, positions, block_ids in groups]
 
     def _fetch(self, tier: str, chunk_key: str) -> Chunk | None:
+        """The chunk from the tier the scheduler named, else from the next shared tier that
+        holds it (a file another process evicted, a damaged copy), checked; None when no
+        tier can give it. Every tier that could not is reported, so the scheduler stops
+        routing loads there."""
+        names = [tier] + [t.name for t in self.store.shared if t.name != tier]
+        for name in names:
+            chunk = self._read(name, chunk_key)
+            if chunk is not None and chunk.signature == self.signature:
+                self.stats.fallback_loads += name != tier
+                return chunk
+            with self._lock:
+                self._missed.add((name, chunk_key))
+        return None
+
+    def _read(self, tier: str, chunk_key: str) -> Chunk | None:
         if tier == "memory":
             with self._lock:
                 chunk = self.store.memory.get(chunk_key)
@@ -162,11 +190,18 @@ class WorkerSide:
             shared.touch(chunk_key)  # eviction follows use, not write time
         return chunk
 
+    def _fail(self, req_id: str, block_ids: list[int]) -> None:
+        """Blocks of ``req_id`` that did not load: vLLM recomputes them, and none of the
+        request's saves may store what its cache holds until then."""
+        self._load_errors.update(block_ids)
+        self._step_failed_blocks.update(block_ids)
+        self._step_failed.add(req_id)
+
     def _fail_loads(self, loads: list[LoadSpec], error: Exception) -> None:
         """Hand every block of ``loads`` back to vLLM to recompute."""
         self._loads.clear()
         for spec in loads:
-            self._load_errors.update(spec.block_ids)
+            self._fail(spec.req_id, spec.block_ids)
         self.stats.load_errors += 1
         logger.warning("KVLabConnector: a load failed (%s: %s); vLLM recomputes its %d blocks",
                        type(error).__name__, error, sum(len(s.block_ids) for s in loads))
@@ -207,14 +242,28 @@ class WorkerSide:
                 self._finish_loads()
             except Exception as error:
                 self._fail_loads(meta.loads if meta is not None else [], error)
+        self._tainted = (self._tainted - (meta.replanned if meta is not None else set())) | self._step_failed
+        failed_blocks, self._step_failed_blocks = self._step_failed_blocks, set()
+        with self._lock:
+            self._load_failed |= self._step_failed
+        self._step_failed = set()
         if meta is None or not (meta.saves or meta.drops or meta.reset_memory):
             return
         start = time.perf_counter()
         if meta.reset_memory or meta.drops:  # in order with the saves queued before them
             self._run(None, functools.partial(self._drop, list(meta.drops), meta.reset_memory))
         for spec in reversed(meta.saves):  # tail first: a full tier drops a prompt's tail, not its head
-            self._run(spec.req_id, functools.partial(self._save, spec))
+            wrong = spec.req_id in self._tainted or not failed_blocks.isdisjoint(spec.block_ids)
+            self._run(spec.req_id, functools.partial(self._cancel if wrong else self._save, spec))
         self.stats.save_seconds += time.perf_counter() - start
+
+    def _cancel(self, spec: SaveSpec) -> None:
+        """Store nothing of a save whose blocks a failed load left wrong (the memory tier's
+        reservation is given back)."""
+        self.stats.cancelled_saves += 1
+        if spec.memory:
+            with self._lock:
+                self._failed.add(spec.block_keys[-1])
 
     def _run(self, req_id: str | None, job: Any) -> None:
         if self._saver is None:
@@ -278,6 +327,7 @@ class WorkerSide:
         """Finished requests whose saves are all done (vLLM frees their blocks now)."""
         with self._lock:
             self._finished |= {r for r in finished_req_ids if r in self._jobs}
+            self._tainted -= finished_req_ids
             done = {r for r in self._finished if all(f.done() for f in self._jobs[r])}
             for req_id in done:
                 del self._jobs[req_id]
@@ -289,8 +339,9 @@ class WorkerSide:
     def worker_meta(self) -> KVLabWorkerMeta | None:
         with self._lock:
             meta = KVLabWorkerMeta(self._stored, self._failed,
-                                   self.signature if not self._reported_signature else None)
-            self._stored, self._failed = Counter(), set()
+                                   self.signature if not self._reported_signature else None,
+                                   self._load_failed, self._missed)
+            self._stored, self._failed, self._load_failed, self._missed = Counter(), set(), set(), set()
         self._reported_signature = self._reported_signature or meta.signature is not None
         return meta if meta else None
 

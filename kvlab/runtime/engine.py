@@ -41,6 +41,11 @@ class EngineSpec:
     (and put back after), so its outputs show how a check moves when the reloaded KV is bad.
     "warm-redis-down" runs last: the Redis server of ``extra["redis_url"]`` is shut down
     first, as a crash would, so the connector must miss (or fail its loads) and recompute.
+    "reload-<i>" runs last too: ``reloads[i]`` is loaded into the running engine first, as an
+    RL trainer loads new weights (``{"weights": folder, "how": "path" or "iterator",
+    "reset": "none", "prefix" or "connector"}``: ``Worker.reload_weights`` with
+    ``weights_path`` or a ``weights_iterator`` over the folder's tensors, then no reset,
+    ``reset_prefix_cache()`` or ``reset_prefix_cache(reset_connector=True)``).
 
     ``batch`` sends all prompts of a phase in one call (task runs: faster, and no
     per-prompt timing); ``max_num_batched_tokens`` at least the batch's prompt tokens
@@ -68,6 +73,9 @@ class EngineSpec:
     tensor_parallel_size: int = 1  # > 1 implies multiprocessing: one worker process per rank
     attention_backend: str | None = None  # e.g. "CPU_MLA": on AMX CPUs vLLM picks AMX_MLA, bf16 only
     batch_invariant: bool = False  # VLLM_BATCH_INVARIANT=1: results independent of the batch (where supported)
+    reloads: tuple[dict[str, str], ...] = ()  # weights loaded by the "reload-<i>" phases
+    num_gpu_blocks: int | None = None  # a small KV cache (vLLM's num_gpu_blocks_override): preemptions
+    max_num_seqs: int | None = None
 
     def environment(self) -> dict[str, str]:
         """What the engine process needs on top of the pinned threads: vLLM's default
@@ -105,6 +113,20 @@ def _check_mla_block_size(spec: EngineSpec) -> None:
                          f"block_size={CPU_MLA_BLOCK_SIZE}, not {spec.block_size}")
 
 
+RELOAD_HOWS, RELOAD_RESETS = ("path", "iterator"), ("none", "prefix", "connector")
+
+
+def _check_reloads(spec: EngineSpec) -> None:
+    for index, reload in enumerate(spec.reloads):
+        if reload.get("how") not in RELOAD_HOWS or reload.get("reset", "none") not in RELOAD_RESETS:
+            raise ValueError(f"reloads[{index}] needs how in {RELOAD_HOWS} and reset in {RELOAD_RESETS}, got {reload}")
+        if not (Path(reload.get("weights", "")) / "config.json").exists():
+            raise FileNotFoundError(f"reloads[{index}]: no model folder at {reload.get('weights')!r}")
+    named = sorted(p for p in spec.phases if p.startswith("reload-"))
+    if named != sorted(f"reload-{i}" for i in range(len(spec.reloads))):
+        raise ValueError(f"the reload-<i> phases {named} must name each of the {len(spec.reloads)} reloads once")
+
+
 def run_engine(spec: EngineSpec, prompts: list[list[int]], timeout: float = 900,
                forced: list[list[int] | None] | None = None, salts: list[str | None] | None = None,
                loras: list[str | None] | None = None) -> dict:
@@ -121,6 +143,7 @@ def run_engine(spec: EngineSpec, prompts: list[list[int]], timeout: float = 900,
     ``loras[i]`` the name of one of ``spec.lora_adapters`` to run prompt i with."""
     check_inputs(spec.model, prompts)
     _check_mla_block_size(spec)
+    _check_reloads(spec)
     for phase in ("floor", "control"):  # vLLM's own prefix hit
         if phase in spec.phases and not spec.prefix_caching:
             raise ValueError(f"the {phase} phase needs prefix caching on (EngineSpec(prefix_caching=True))")
@@ -179,8 +202,8 @@ def _schedule(phases: tuple[str, ...], prompts: int, batch: bool) -> list[tuple[
     vLLM's prefix cache for one prompt's warm run empties it for all)."""
     every = list(range(prompts))
     firsts = [p for p in phases if p in FIRST_PHASES]
-    middle = [p for p in phases if p not in FIRST_PHASES + LAST_PHASES]
-    lasts = [p for p in phases if p in LAST_PHASES]
+    middle = [p for p in phases if p not in FIRST_PHASES + LAST_PHASES and not p.startswith("reload-")]
+    lasts = [p for p in phases if p in LAST_PHASES or p.startswith("reload-")]
     if batch:
         return [(phase, every) for phase in firsts + middle + lasts]
     return ([(phase, [i]) for phase in firsts for i in every]
@@ -206,6 +229,7 @@ def _child(job_path: str, out_path: str) -> None:
     llm = LLM(model=spec.model, dtype=spec.dtype, block_size=spec.block_size, enforce_eager=True,
               enable_prefix_caching=spec.prefix_caching, max_model_len=spec.max_model_len, seed=0,
               max_num_batched_tokens=spec.max_num_batched_tokens, **_lora_options(spec),
+              num_gpu_blocks_override=spec.num_gpu_blocks, **({"max_num_seqs": spec.max_num_seqs} if spec.max_num_seqs else {}),
               tensor_parallel_size=spec.tensor_parallel_size,
               **({"attention_backend": spec.attention_backend} if spec.attention_backend else {}),
               kv_transfer_config=KVTransferConfig(**transfer) if transfer else None,
@@ -222,6 +246,11 @@ def _child(job_path: str, out_path: str) -> None:
     llm.collective_rpc(worker_calls.read_clock)
     result: dict[str, Any] = {"phases": {}}
     for phase, indices in _schedule(spec.phases, len(job["prompts"]), spec.batch):
+        if phase.startswith("reload-") and phase not in result["phases"]:
+            reload = spec.reloads[int(phase.split("-")[1])]
+            llm.collective_rpc(worker_calls.reload_weights, args=(reload["weights"], reload["how"]))
+            if reload.get("reset", "none") != "none":
+                llm.reset_prefix_cache(reset_connector=reload["reset"] == "connector")
         if phase == "warm-disk":  # the connector forgets its memory tiers; what it wrote through stays
             llm.reset_prefix_cache(reset_connector=True)
         if phase in DAMAGE_PHASES:

@@ -278,6 +278,7 @@ class VLLMServer(ManagedServer):
     request_timeout: float = 300.0
     env: dict[str, str] = field(default_factory=dict)  # overrides on top of the pinned environment
     vllm_defaults: bool = False
+    args: tuple[str, ...] = ()  # more `vllm serve` options, e.g. ("--num-gpu-blocks-override", "96")
     process: subprocess.Popen | None = field(default=None, init=False, repr=False)
     startup_seconds: float | None = field(default=None, init=False)
 
@@ -311,7 +312,7 @@ class VLLMServer(ManagedServer):
         transfer = kv_transfer_config(self.connector, self.extra, self.workdir)
         if transfer is not None:
             args += ["--kv-transfer-config", json.dumps(transfer)]
-        return args
+        return args + list(self.args)
 
     def environment(self) -> dict[str, str]:
         """The pinned threads of kvlab.runtime.engine, in vLLM's own process layout (API

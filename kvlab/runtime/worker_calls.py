@@ -80,3 +80,17 @@ def undo_damage(worker: Any) -> None:
     """Put the damaged chunks' bytes back, for the next control."""
     while _UNDO:
         _UNDO.pop()()
+
+
+def reload_weights(worker: Any, folder: str, how: str) -> None:
+    """Load the weights of ``folder`` into the running engine as an RL trainer does:
+    vLLM's ``Worker.reload_weights`` from the path, or from an iterator over its tensors."""
+    if how == "path":
+        worker.reload_weights(weights_path=folder)
+        return
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    tensors = {name: t for path in sorted(Path(folder).glob("*.safetensors")) for name, t in load_file(path).items()}
+    worker.reload_weights(weights_iterator=iter(tensors.items()))

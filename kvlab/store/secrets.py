@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 PASSWORD_FILE, PASSWORD_ENV = "password_file", "password_env"
@@ -57,3 +58,23 @@ def redact(text: str) -> str:
     (in its user information, or a Redis URL's ``?password=``)."""
     text = _USERINFO.sub(r"\g<scheme>\g<user>:***@", text)
     return _QUERY_PASSWORD.sub(r"\g<key>***", text)
+
+
+def read_auth_key(spec: str) -> bytes:
+    """The store's MAC key that ``spec`` names: ``file:/path`` (the file's bytes, trailing
+    newline dropped; keep it mode 0600) or ``env:NAME`` (an environment variable), never the
+    key itself (vLLM logs its arguments). At least 16 bytes; ValueError naming the key else."""
+    kind, _, name = spec.partition(":")
+    if kind == "file":
+        try:
+            key = Path(name).read_bytes().rstrip(b"\r\n")
+        except OSError as error:
+            raise ValueError(f"auth_key: file {name!r} cannot be read ({error.strerror})") from None
+    elif kind == "env":
+        key = os.environ.get(name, "").encode()
+    else:
+        raise ValueError("auth_key must name the key, 'file:/path/to/key' or 'env:VARIABLE', not hold it")
+    if len(key) < 16:
+        raise ValueError(f"auth_key: {spec!r} gives {len(key)} bytes; a key needs at least 16 "
+                         "(e.g. head -c 32 /dev/urandom | base64 > key; chmod 600 key)")
+    return key

@@ -76,6 +76,7 @@ class Tier(Protocol):
     def put(self, chunk: Chunk) -> bool: ...
     def discard(self, chunk_key: str) -> None: ...
     def touch(self, chunk_key: str) -> None: ...  # used now: eviction follows use
+    def identity(self, chunk_key: str) -> object | None: ...  # changes when the stored chunk does; None: gone
     def check(self) -> None: ...  # raises when the tier cannot be reached (start-up)
 
 
@@ -223,6 +224,17 @@ class DiskTier:
     def check(self) -> None:
         """Nothing: a folder that cannot be written pauses the tier, it never fails start-up."""
 
+    def identity(self, chunk_key: str) -> tuple[int, int, int] | None:
+        """The chunk file's (device, inode, size), which a rewrite changes (it renames a new
+        file into place); None, and forgotten, when another process removed it. One stat:
+        what a scheduler checks before it promises a chunk it read earlier."""
+        try:
+            stat = self._path(chunk_key).stat()
+        except OSError:
+            self._forget(chunk_key)
+            return None
+        return stat.st_dev, stat.st_ino, stat.st_size
+
     def touch(self, chunk_key: str) -> None:
         """Mark a chunk used now, so that eviction follows use, not write time."""
         try:
@@ -277,7 +289,8 @@ class DiskTier:
         path = self._path(chunk.key)
         tmp = self.path / f"{chunk.key}.{self._host}-{os.getpid()}.tmp"
         try:
-            with open(tmp, "wb") as f:
+            # this user's alone (0600): others must not read the KV (prompts can be read back from it)
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
                 f.write(encode_header(chunk, self.auth_key))
                 for part in payload(chunk):
                     f.write(part)
@@ -543,6 +556,10 @@ class RedisTier:
 
     def touch(self, chunk_key: str) -> None:
         """Nothing: the server's LRU sees every read."""
+
+    def identity(self, chunk_key: str) -> str:
+        """No cheap identity: a value checked once is trusted until a load of it fails."""
+        return "unknown"
 
     # ---- internals -----------------------------------------------------------------
     def _call(self, kind: str, operation: Callable[[], Any]) -> Any:

@@ -266,3 +266,15 @@ def test_a_keyed_shared_memory_tier_reads_a_private_copy(tmp_path: Path) -> None
         f.seek(-4096, os.SEEK_END)
         f.write(bytes(4096))
     assert same_bytes(got, c)
+
+
+def test_chunk_files_are_this_users_alone(tmp_path) -> None:
+    """Other local users can neither write nor read the stored KV (a prompt can be read back
+    from its KV), whatever the umask."""
+    old = os.umask(0o002)
+    try:
+        KVStore(disk_path=tmp_path / "kv").put(chunk(1))
+    finally:
+        os.umask(old)
+    (path,) = (tmp_path / "kv").glob("*.kvchunk")
+    assert path.stat().st_mode & 0o777 == 0o600
