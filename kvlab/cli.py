@@ -207,6 +207,33 @@ def run_lmeval(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_loadtest(args: argparse.Namespace) -> int:
+    """KVLabConnector through ``vllm serve`` under load and faults, every response against its
+    same-split control (kvlab.experiments.load_test); appends one summary row to
+    data/results and exits 1 unless no request failed and none differed from its control."""
+    import tempfile
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from kvlab.experiments.load_test import LoadTest
+    from kvlab.experiments.tasks import book_text
+    from kvlab.results import default_results_path, record_run
+    from kvlab.runtime import models
+
+    model = args.model if Path(args.model).is_dir() else str(models.model_path(args.model))
+    with tempfile.TemporaryDirectory() as tmp:
+        test = LoadTest(model, tmp, requests=args.requests, clients=args.clients, num_gpu_blocks=args.num_gpu_blocks,
+                        fault_interval_s=args.fault_interval)
+        result = test.run(AutoTokenizer.from_pretrained(model)(book_text())["input_ids"])
+    summary = {k: v for k, v in result.items() if k != "rows"}
+    out = args.out or default_results_path("05_load_test", "cpu")
+    record_run(out, [summary], "cpu")
+    print(json.dumps(summary, indent=2))
+    print(f"appended the summary to {out}")
+    return 0 if summary["failed"] == 0 and summary["within_drift"] == summary["requests_sent"] else 1
+
+
 def run_lab(args: argparse.Namespace, jupyter_args: Sequence[str]) -> int:
     """JupyterLab on the notebooks until Ctrl-C, SIGTERM or SIGHUP (or until it is shut down
     from its File menu); prints the URL to open, token included, and where its log goes."""
@@ -321,6 +348,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ev.add_argument("--seed", type=int, default=0, help="problem generator and engine seed")
     ev.add_argument("--task-dir", default=None, help="where the task folder is written (default: a temporary one)")
 
+    load = sub.add_parser("loadtest", help="KVLabConnector through vllm serve under load and injected faults, "
+                                           "every response against its same-split control")
+    load.add_argument("--model", default="smollm2-135m-instruct-fp32", help="a prepared model name or a model folder")
+    load.add_argument("--requests", type=int, default=240)
+    load.add_argument("--clients", type=int, default=16, help="concurrent clients (and vLLM's max_num_seqs)")
+    load.add_argument("--num-gpu-blocks", type=int, default=96, help="KV cache blocks of 32 tokens: a small cache")
+    load.add_argument("--fault-interval", type=float, default=1.0, help="seconds between injected faults")
+    load.add_argument("--out", default=None, help="results file (default: data/results/05_load_test-<machine>.jsonl)")
+
     summary = sub.add_parser("device-summary", help="summarize a scripts/device-check run (the folder it wrote)")
     summary.add_argument("out", help="the device check's $OUT")
     summary.add_argument("--step", action="append", default=[], metavar="NAME=RC:SECONDS",
@@ -356,6 +392,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_models(args)
         elif args.command == "lmeval":
             return run_lmeval(args)
+        elif args.command == "loadtest":
+            return run_loadtest(args)
         elif args.command == "device-summary":
             return run_device_summary(args)
         elif args.command == "report":

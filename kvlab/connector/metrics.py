@@ -37,6 +37,9 @@ PROM_COUNTERS = {
     "saved_blocks": "KV blocks KVLabConnector saved from vLLM's cache into its tiers.",
     "load_errors": "KVLabConnector loads that failed (vLLM recomputes their blocks).",
     "save_errors": "KVLabConnector saves that failed (nothing stored, the request unaffected).",
+    "cancelled_saves": "KVLabConnector saves cancelled because a failed load left their blocks wrong.",
+    "fallback_loads": "KVLabConnector chunks loaded from another tier than the one first named.",
+    "preemptions": "Requests vLLM preempted while KVLabConnector was configured.",
 }
 PROM_PREFIX = "vllm:kvlab_"
 

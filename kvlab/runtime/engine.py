@@ -270,6 +270,7 @@ def _child(job_path: str, out_path: str) -> None:
         if phase in DAMAGE_PHASES:
             llm.collective_rpc(worker_calls.undo_damage)
         spent = llm.collective_rpc(worker_calls.read_clock)[0]
+        spent["worker_rss_mib"] = llm.collective_rpc(worker_calls.resident_mib)[0]
         for index, output in zip(indices, outputs):
             completion = output.outputs[0]
             result["phases"].setdefault(phase, []).append({

@@ -94,3 +94,13 @@ def reload_weights(worker: Any, folder: str, how: str) -> None:
 
     tensors = {name: t for path in sorted(Path(folder).glob("*.safetensors")) for name, t in load_file(path).items()}
     worker.reload_weights(weights_iterator=iter(tensors.items()))
+
+
+def resident_mib(worker: Any) -> float:
+    """The worker process's resident memory (VmRSS), MiB: what a memory tier's budget bounds."""
+    from pathlib import Path
+
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0

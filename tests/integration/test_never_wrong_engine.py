@@ -1,0 +1,139 @@
+"""KVLabConnector never serves wrong KV inside vLLM's CPU engine, whatever fails (issue 25):
+each run is compared bitwise with the same-split control, vLLM's own prefix cache fed the
+same requests in the same order, so every hit splits every prefill as the control's does.
+
+- The deterministic sequence that poisoned the store (a shared-memory chunk evicted by a
+  worker, then promised by the scheduler, its load failed, and the blocks saved anyway).
+- A small KV cache under concurrent requests: vLLM preempts requests while the connector
+  saves and loads, and the same requests come back after unique ones pushed them out.
+- New weights loaded into the running engine (an RL trainer's ``reload_weights``, from a
+  path and from an iterator, with and without a reset): no hit, the new weights' tokens."""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from pathlib import Path
+
+import pytest
+from conftest import bitwise, hits, within_split_drift
+
+pytest.importorskip("vllm")
+
+from kvlab.runtime.engine import EngineSpec, run_engine  # noqa: E402
+from kvlab.runtime.models import TINY_LLAMA, model_path  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def book_ids(smollm2: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    from kvlab.experiments.tasks import book_text
+
+    return AutoTokenizer.from_pretrained(smollm2)(book_text())["input_ids"]
+
+
+@pytest.fixture
+def shm_folder():
+    """A shared-memory folder of this test's own."""
+    path = Path("/dev/shm") / f"kvlab-test-{uuid.uuid4().hex[:12]}"
+    yield str(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def poisoning_sequence(ids: list[int]) -> list[list[int]]:
+    """Issue 25's reproduction: a ~500-token prefix l0 with suffix s0 twice, twelve unique
+    160-320-token prompts (they push l0 out of the memory and shared-memory budgets, not off
+    disk), then l0 with suffix s1 twice and with s2 twice."""
+    l0 = ids[2000:2500]
+    suffixes = [ids[3000 + 100 * i: 3000 + 100 * i + 30 + 15 * i] for i in range(3)]
+    unique = [ids[4000 + 700 * i: 4000 + 700 * i + 160 + 15 * i] for i in range(12)]
+    with_suffix = [l0 + s for s in suffixes]
+    return [with_suffix[0]] * 2 + unique + [with_suffix[1]] * 2 + [with_suffix[2]] * 2
+
+
+def test_a_failed_load_never_poisons_the_store(smollm2, book_ids, shm_folder, tmp_path) -> None:
+    """Tiers memory, shared memory and disk, 64 MiB of memory and of shared memory (five
+    256-token chunks of SmolLM2 fp32), one request at a time: every output equals vLLM's own
+    prefix cache fed the same sequence, bitwise, with the same hits."""
+    sequence = poisoning_sequence(book_ids)
+    common = {"model": smollm2, "dtype": "float32", "max_tokens": 4, "phases": ("cold",)}
+    extra = {"tiers": ["memory", "shm", "disk"], "shm_path": shm_folder, "disk_path": str(tmp_path / "disk"),
+             "store_bytes": 64 * MIB, "shm_bytes": 64 * MIB}
+    control = run_engine(EngineSpec(**common, prefix_caching=True), sequence)
+    kvlab = run_engine(EngineSpec(**common, connector="kvlab", extra=extra), sequence)
+    assert hits(kvlab, "cold") == hits(control, "cold")
+    assert min(hits(kvlab, "cold")[-4:]) >= 480, "l0 came back from the connector"
+    assert bitwise(control, kvlab, "cold", "cold")
+    stats = kvlab["connector"]["default"]
+    assert stats["store"]["evicted"] > 0, "the budgets were full: l0 left memory and shared memory"
+
+
+
+def test_preempted_requests_under_a_small_kv_cache_keep_their_kv_right(smollm2, book_ids, shm_folder, tmp_path) -> None:
+    """16 concurrent requests of ~500 tokens (16 blocks; four shared prefixes, four suffixes
+    each), each generating 64 tokens, into a KV cache of 50 blocks of 32 tokens: three
+    requests fit, their decodes outgrow the two blocks left, and vLLM preempts requests
+    while the connector saves and loads.
+    Then the same 16 again. No request fails, the connector hits, and every output is within
+    the stated drift of an engine without a connector under the same pressure (a hit splits
+    the prefill differently; wrong KV moves logprobs by far more)."""
+    prefixes = [book_ids[500 * i: 500 * i + 450] for i in range(4)]
+    prompts = [prefix + book_ids[3000 + 97 * j: 3000 + 97 * j + 40 + 6 * j] for prefix in prefixes for j in range(4)]
+    common = {"model": smollm2, "dtype": "float32", "max_tokens": 64, "batch": True, "phases": ("cold", "warm"),
+              "num_gpu_blocks": 51, "max_num_seqs": 16, "max_model_len": 1024}
+    extra = {"tiers": ["memory", "shm", "disk"], "shm_path": shm_folder, "disk_path": str(tmp_path / "disk"),
+             "store_bytes": 64 * MIB, "shm_bytes": 64 * MIB}
+    none = run_engine(EngineSpec(**common), prompts)
+    kvlab = run_engine(EngineSpec(**common, connector="kvlab", extra=extra), prompts)
+    stats = kvlab["connector"]["default"]
+    assert stats["preemptions"] > 0, "the small cache forced preemptions"
+    assert sum(hits(kvlab, "warm")) > 0 and stats["saved_blocks"] > 0
+    for phase in ("cold", "warm"):
+        assert len(kvlab["phases"][phase]) == len(prompts)
+        assert within_split_drift(none, kvlab, phase, phase), phase
+
+
+def _perturbed_copy(source: Path, target: Path, scale: float) -> Path:
+    """The model's folder with every weight matrix scaled: other weights, same shapes."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, target)
+    for path in target.glob("*.safetensors"):
+        tensors = load_file(path)
+        save_file({name: t * scale if t.dim() == 2 else t for name, t in tensors.items()}, path,
+                  metadata={"format": "pt"})
+    return target
+
+
+def test_weights_loaded_into_a_running_engine_never_meet_old_kv(tmp_path) -> None:
+    """An RL trainer's flow: weights B, A, B, A loaded into a running engine by
+    ``reload_weights`` from a path and from an iterator, with no reset, with
+    ``reset_prefix_cache()`` and with ``reset_prefix_cache(reset_connector=True)``. After
+    every load: no hit, and bitwise the tokens of an engine without a connector doing the same
+    loads (vLLM's reload gives slightly other logprobs than an engine started on those weights)."""
+    try:
+        source = model_path(TINY_LLAMA)
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+    a = tmp_path / "a"
+    shutil.copytree(source, a)
+    b = _perturbed_copy(source, tmp_path / "b", 1.5)
+    prompts = [list(range(1000 + 7 * i, 1300 + 7 * i)) for i in range(2)]
+    reloads = ({"weights": str(b), "how": "path", "reset": "none"},
+               {"weights": str(a), "how": "iterator", "reset": "none"},
+               {"weights": str(b), "how": "iterator", "reset": "prefix"},
+               {"weights": str(a), "how": "path", "reset": "connector"})
+    common = {"dtype": "float32", "max_tokens": 8, "reloads": reloads,
+              "phases": ("cold", "warm", "reload-0", "reload-1", "reload-2", "reload-3")}
+    kvlab = run_engine(EngineSpec(str(a), "kvlab", **common), prompts)
+    control = run_engine(EngineSpec(str(a), **common), prompts)  # the same loads, no connector
+    assert hits(kvlab, "warm") == [288, 288], "the connector serves the weights it was computed with"
+    for index in range(len(reloads)):
+        phase = f"reload-{index}"
+        assert hits(kvlab, phase) == [0, 0], f"{reloads[index]}: no KV of other weights"
+        assert bitwise(control, kvlab, phase, phase), reloads[index]
+    assert not within_split_drift(kvlab, kvlab, "cold", "reload-0"), "new weights, other outputs: old KV would show"
