@@ -202,3 +202,60 @@ def test_a_bad_auth_key_is_a_clear_start_up_error(tmp_path, auth_key: str, why: 
         ConnectorConfig.parse({"tiers": ["disk"], "disk_path": str(tmp_path), "auth_key": auth_key})
     with pytest.raises(ValueError, match="none of them shared"):
         ConnectorConfig.parse({"auth_key": "env:X"})
+
+
+FAULTS = ("vanished", "damaged", "failed-copy", "dead-redis")
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_after_any_failed_load_what_is_stored_is_right(tmp_path, monkeypatch, fault: str, request) -> None:
+    """Each fault kind of docs/reliability.md strikes between the lookup and the load, with
+    the workers' memory emptied first, so the failing step also keeps the promised blocks in
+    memory (the path that poisoned the store). Whatever the fault, what the store holds
+    afterwards is right: the next request that hits the prefix loads exactly the KV the first
+    request computed (or misses)."""
+    if fault == "dead-redis":
+        server = request.getfixturevalue("redis_server")
+        extra = {"tiers": ["memory", "redis"], "redis_url": server.url}
+    else:
+        extra = {"tiers": ["memory", "shm", "disk"], "shm_path": str(tmp_path / "shm"),
+                 "disk_path": str(tmp_path / "disk")}
+    scheduler, worker = connector_pair(GQA, NUM_BLOCKS, {**extra, "chunk_size": 4 * BS})
+    register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
+    fill(worker, [0, 1, 2, 3], seed=1)
+    prefill(scheduler, worker, "a", PROMPT, [0, 1, 2, 3, 4])
+    computed = blocks(worker, [0, 1, 2, 3])
+    scheduler.reset_cache()  # the workers' memory goes: the next hit comes from a shared tier
+    settle(scheduler, worker)
+
+    request_b = vllm_request("b", PROMPT)
+    hit, _ = scheduler.get_num_new_matched_tokens(request_b, 0)
+    assert hit == 4 * BS
+    scheduler.update_state_after_alloc(request_b, None, hit)
+    if fault == "dead-redis":
+        from kvlab.runtime.redis import shut_down
+
+        shut_down(server.url)
+    for path in chunk_files(tmp_path):
+        if fault == "vanished":
+            path.unlink()
+        elif fault == "damaged":
+            data = bytearray(path.read_bytes())
+            data[-9] ^= 0x40
+            path.write_bytes(bytes(data))
+    if fault == "failed-copy":
+        def broken(*args, **kwargs):
+            raise OSError("a copy failed")
+        monkeypatch.setattr("kvlab.connector.worker.run_all", broken)
+    fill(worker, [5, 6, 7, 8], seed=2)  # another request's KV in b's blocks
+    result = step(scheduler, worker, schedule("b", PROMPT, [5, 6, 7, 8, 9], hit))
+    assert result["report"].invalid_block_ids == {5, 6, 7, 8}, "handed back to vLLM to recompute"
+    monkeypatch.undo()
+    settle(scheduler, worker, finished={"b"})
+
+    fill(worker, [10, 11, 12, 13], seed=3)
+    after = prefill(scheduler, worker, "c", PROMPT, [10, 11, 12, 13, 14])["hit_tokens"]
+    if after:
+        assert all(torch.equal(x, y) for x, y in zip(blocks(worker, [10, 11, 12, 13]), computed)), \
+            "the prefix's stored KV is the KV the first request computed"
+    assert worker.stats.cancelled_saves >= 1
