@@ -74,6 +74,18 @@ def smollm2() -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama() -> Path:
+    """The small random Llama (fast engines); skips without vLLM or the prepared folder."""
+    pytest.importorskip("vllm")
+    from kvlab.runtime.models import TINY_LLAMA, model_path
+
+    try:
+        return model_path(TINY_LLAMA)
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+
+
+@pytest.fixture(scope="session")
 def prompts(smollm2: str) -> list[list[int]]:
     """Two passages of the book (300 and 250 tokens)."""
     from transformers import AutoTokenizer

@@ -24,13 +24,6 @@ MLA = ModelGeometry.mla("tiny-mla", 3, 64, 32, dtype=torch.bfloat16, block_size=
 BS = GQA.block_size
 
 
-@pytest.fixture(autouse=True)
-def _fresh_stores():
-    reset_stores()
-    yield
-    reset_stores()
-
-
 def connectors(geometry: ModelGeometry, extra: dict | None = None) -> tuple[KVLabConnector, KVLabConnector]:
     return connector_pair(geometry, NUM_BLOCKS, extra)
 

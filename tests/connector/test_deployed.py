@@ -26,13 +26,6 @@ BS, NUM_BLOCKS = RANK.block_size, 24
 PROMPT = list(range(4 * BS + 1))
 
 
-@pytest.fixture(autouse=True)
-def _fresh_stores():
-    reset_stores()
-    yield
-    reset_stores()
-
-
 def engine(extra: dict, workers: int = 1):
     """A scheduler and its workers, each registered with a cache of its own random bytes."""
     scheduler, group = connector_group(RANK, NUM_BLOCKS, extra, workers=workers)

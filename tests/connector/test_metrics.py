@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # no
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging, KVConnectorStats  # noqa: E402
 
 from kvlab.cache import ModelGeometry  # noqa: E402
-from kvlab.connector import KVLabConnector, reset_stores  # noqa: E402
+from kvlab.connector import KVLabConnector  # noqa: E402
 from kvlab.connector.driver import connector_pair, prefill, register, stand_in_config  # noqa: E402
 from kvlab.connector.metrics import COUNTERS, KVLabStats  # noqa: E402
 
@@ -27,13 +27,6 @@ NUM_BLOCKS = 24
 GQA = ModelGeometry("tiny-gqa", 4, 2, 64, torch.float32, 16)
 BS = GQA.block_size
 PROMPT = list(range(7 * BS + 5))  # 7 full blocks
-
-
-@pytest.fixture(autouse=True)
-def _fresh_stores():
-    reset_stores()
-    yield
-    reset_stores()
 
 
 @pytest.fixture

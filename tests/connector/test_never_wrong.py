@@ -31,13 +31,6 @@ BS = GQA.block_size
 PROMPT = list(range(4 * BS + 1))  # four full blocks, the last token computed
 
 
-@pytest.fixture(autouse=True)
-def _fresh_stores():
-    reset_stores()
-    yield
-    reset_stores()
-
-
 @pytest.fixture
 def tiers(tmp_path):
     """Shared memory and disk, no memory tier: every hit is read from a file."""

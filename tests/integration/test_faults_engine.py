@@ -17,7 +17,6 @@ from conftest import bitwise, hits, loadable, within_split_drift
 pytest.importorskip("vllm")
 
 from kvlab.runtime.engine import EngineSpec, run_engine  # noqa: E402
-from kvlab.runtime.models import TINY_LLAMA, model_path  # noqa: E402
 
 # starts engines or servers; one of the extended engine suite (`make test-extended`, CI runs it)
 pytestmark = [pytest.mark.slow, pytest.mark.extended]
@@ -88,18 +87,14 @@ def test_salts_and_adapters_match_vllms_own_prefix_cache(smollm2, prompts, lora_
     assert tokens[4] != tokens[5], "the adapter changes the output: base KV would have been wrong"
 
 
-def test_two_engines_share_a_folder_and_new_weights_are_misses(tmp_path: Path) -> None:
+def test_two_engines_share_a_folder_and_new_weights_are_misses(tiny_llama: Path, tmp_path: Path) -> None:
     """Two engine processes write one disk folder at the same time: no request fails and
     each serves its repeats. Then the model's weights change in place: a new engine on
     the same folder gets no hit (the old KV is stale for the new weights)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    try:
-        source = model_path(TINY_LLAMA)
-    except FileNotFoundError as error:
-        pytest.skip(str(error))
     model = tmp_path / "model"
-    shutil.copytree(source, model)
+    shutil.copytree(tiny_llama, model)
     prompts = [list(range(1000 + 7 * i, 1300 + 7 * i)) for i in range(3)]
     extra = {"store": "disk", "disk_path": str(tmp_path / "kv"), "chunk_size": 2 * BLOCK}
     spec = EngineSpec(str(model), "kvlab", extra, dtype="float32", max_tokens=8, prefix_caching=True, phases=CONTROLLED)

@@ -21,7 +21,6 @@ from conftest import bitwise, hits, within_split_drift
 pytest.importorskip("vllm")
 
 from kvlab.runtime.engine import EngineSpec, run_engine  # noqa: E402
-from kvlab.runtime.models import TINY_LLAMA, model_path  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.extended]
 MIB = 1 << 20
@@ -109,19 +108,15 @@ def _perturbed_copy(source: Path, target: Path, scale: float) -> Path:
     return target
 
 
-def test_weights_loaded_into_a_running_engine_never_meet_old_kv(tmp_path) -> None:
+def test_weights_loaded_into_a_running_engine_never_meet_old_kv(tiny_llama: Path, tmp_path: Path) -> None:
     """An RL trainer's flow: weights B, A, B, A loaded into a running engine by
     ``reload_weights`` from a path and from an iterator, with no reset, with
     ``reset_prefix_cache()`` and with ``reset_prefix_cache(reset_connector=True)``. After
     every load: no hit, and bitwise the tokens of an engine without a connector doing the same
     loads (vLLM's reload gives slightly other logprobs than an engine started on those weights)."""
-    try:
-        source = model_path(TINY_LLAMA)
-    except FileNotFoundError as error:
-        pytest.skip(str(error))
     a = tmp_path / "a"
-    shutil.copytree(source, a)
-    b = _perturbed_copy(source, tmp_path / "b", 1.5)
+    shutil.copytree(tiny_llama, a)
+    b = _perturbed_copy(tiny_llama, tmp_path / "b", 1.5)
     prompts = [list(range(1000 + 7 * i, 1300 + 7 * i)) for i in range(2)]
     reloads = ({"weights": str(b), "how": "path", "reset": "none"},
                {"weights": str(a), "how": "iterator", "reset": "none"},

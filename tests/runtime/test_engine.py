@@ -49,3 +49,21 @@ def test_a_flipped_near_tie_is_within_the_drift_and_damaged_kv_is_not() -> None:
     assert gap == pytest.approx(2e-5) and gap <= SPLIT_DRIFT
     assert gap_through_divergence(damaged["phases"]["cold"][0], cold["phases"]["cold"][0]) == pytest.approx(0.4931)
     assert same_outputs(cold, damaged, "cold", "cold")["max_gap_through_divergence"] > SPLIT_DRIFT
+
+
+def test_weight_loads_run_after_the_other_phases_in_their_order() -> None:
+    schedule = _schedule(("cold", "reload-1", "warm", "reload-0"), 1, batch=False)
+    assert schedule == [("cold", [0]), ("warm", [0]), ("reload-1", [0]), ("reload-0", [0])]
+
+
+@pytest.mark.parametrize("reloads, phases, error", [
+    ([{"weights": "W", "how": "copy"}], ("reload-0",), "how in"),
+    ([{"weights": "/nonexistent", "how": "path"}], ("reload-0",), "no model folder"),
+    ([{"weights": "W", "how": "path"}], ("reload-1",), "must name each"),
+    ([{"weights": "W", "how": "path", "reset": "all"}], ("reload-0",), "reset in"),
+])
+def test_bad_weight_loads_are_clear_errors(tmp_path, reloads, phases, error) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    reloads = [{k: (str(tmp_path) if v == "W" else v) for k, v in r.items()} for r in reloads]
+    with pytest.raises((ValueError, FileNotFoundError), match=error):
+        run_engine(EngineSpec(str(tmp_path), phases=("cold", *phases), reloads=tuple(reloads)), [[1, 2, 3]])
