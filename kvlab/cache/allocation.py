@@ -4,6 +4,7 @@ recognising the layout of views an engine hands over (``adopt``)."""
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass, field
 from math import prod
 from typing import Any
@@ -146,6 +147,7 @@ def allocate(
     *,
     fill: str = "zeros",
     pin_memory: bool = False,
+    mapped: bool = False,
 ) -> KVCache:
     """Allocate ``layout`` for ``geometry`` on ``device`` (cpu, cuda, npu, meta or auto)
     and cut each layer's view out of it.
@@ -153,6 +155,9 @@ def allocate(
     ``fill`` is ``"zeros"``, ``"empty"`` or ``"arange"`` (each element's value is its
     position in the layout's logical order, handy to see where things land).
     ``pin_memory`` page-locks a host allocation so an accelerator can copy it asynchronously.
+    ``mapped`` gives a host allocation a memory mapping of its own (zeroed), handed back to
+    the system when the buffer goes: buffers that come and go in any order (a store's
+    chunks) then leave no holes in the allocator's heap for the process to keep resident.
     """
     layout = get_layout(layout)
     device = resolve_device(device)
@@ -163,12 +168,22 @@ def allocate(
     allocs = allocations(layout, geometry, num_blocks)
     check_fits(num_blocks * geometry.block_bytes, device,
                f"a {layout.name} cache of {num_blocks:,} blocks of {geometry.name}")
-    make = torch.zeros if fill == "zeros" else torch.empty
+    if mapped and (device.type != "cpu" or pin_memory):
+        raise ValueError(f"mapped is for unpinned host (cpu) allocations, not {device} (pin_memory={pin_memory})")
+    make = _mapped_zeros if mapped else torch.zeros if fill == "zeros" else torch.empty
     storage = [make(a.sizes, dtype=geometry.dtype, device=device, pin_memory=pin_memory) for a in allocs]
     if fill == "arange":
         for alloc, tensor in zip(allocs, storage):
             tensor.copy_(torch.arange(alloc.numel, device=device).reshape(alloc.sizes).to(geometry.dtype))
     return _wrap(layout, geometry, num_blocks, allocs, storage)
+
+
+def _mapped_zeros(sizes: tuple[int, ...], dtype: torch.dtype, **_: object) -> torch.Tensor:
+    """Zeroed host memory in an anonymous mapping of its own, unmapped when the tensor goes."""
+    nbytes = prod(sizes) * dtype.itemsize
+    if not nbytes:
+        return torch.zeros(sizes, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(sizes)
 
 
 def _wrap(layout: Layout, geometry: ModelGeometry, num_blocks: int, allocs: list[Allocation],

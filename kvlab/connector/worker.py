@@ -280,7 +280,9 @@ class WorkerSide:
         start = time.perf_counter()
         kept = False
         try:
-            buffer = host_buffer(self.cache, len(spec.block_ids))
+            # a chunk lives as long as the store keeps it: in a mapping of its own, so that
+            # evicted chunks give their memory back (on the heap they left holes the worker kept)
+            buffer = host_buffer(self.cache, len(spec.block_ids), mapped=True)
             Transfer(self.cache, spec.block_ids, buffer, method=self.config.method).run()
             self.stats.save_segments += self._segments(len(spec.block_ids), False)
             chunk = Chunk(list(spec.block_keys), buffer, self.signature).seal()

@@ -24,11 +24,12 @@ from kvlab.transfer.registry import get_method, method_status
 T = TypeVar("T")
 
 
-def host_buffer(cache: KVCache, num_blocks: int, *, pin_memory: bool | None = None) -> KVCache:
+def host_buffer(cache: KVCache, num_blocks: int, *, pin_memory: bool | None = None, mapped: bool = False) -> KVCache:
     """A host buffer in the cache's own layout with room for ``num_blocks`` blocks;
-    pinned (by default) when the cache lives on an accelerator."""
+    pinned (by default) when the cache lives on an accelerator; ``mapped`` (unpinned only):
+    in a memory mapping of its own (kvlab.cache.allocate)."""
     pin = cache.storage[0].device.type != "cpu" if pin_memory is None else pin_memory
-    return allocate(cache.layout, cache.geometry, num_blocks, "cpu", pin_memory=pin)
+    return allocate(cache.layout, cache.geometry, num_blocks, "cpu", pin_memory=pin, mapped=mapped and not pin)
 
 
 def chunk_buffer(
