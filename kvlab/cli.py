@@ -224,7 +224,7 @@ def run_loadtest(args: argparse.Namespace) -> int:
     model = args.model if Path(args.model).is_dir() else str(models.model_path(args.model))
     with tempfile.TemporaryDirectory() as tmp:
         test = LoadTest(model, tmp, requests=args.requests, clients=args.clients, num_gpu_blocks=args.num_gpu_blocks,
-                        fault_interval_s=args.fault_interval)
+                        fault_interval_s=args.fault_interval, connector=args.connector)
         result = test.run(AutoTokenizer.from_pretrained(model)(book_text())["input_ids"])
     summary = {k: v for k, v in result.items() if k != "rows"}
     out = args.out or default_results_path("05_load_test", "cpu")
@@ -355,6 +355,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     load.add_argument("--clients", type=int, default=16, help="concurrent clients (and vLLM's max_num_seqs)")
     load.add_argument("--num-gpu-blocks", type=int, default=96, help="KV cache blocks of 32 tokens: a small cache")
     load.add_argument("--fault-interval", type=float, default=1.0, help="seconds between injected faults")
+    load.add_argument("--connector", choices=["kvlab", "none"], default="kvlab",
+                      help="none: vLLM's own prefix cache under the same load, no faults (the batching baseline)")
     load.add_argument("--out", default=None, help="results file (default: data/results/05_load_test-<machine>.jsonl)")
 
     summary = sub.add_parser("device-summary", help="summarize a scripts/device-check run (the folder it wrote)")

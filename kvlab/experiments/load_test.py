@@ -29,7 +29,9 @@ BLOCK = 32
 class LoadTest:
     """``requests`` requests from ``clients`` clients at once into ``num_gpu_blocks`` KV blocks
     of 32 tokens; one fault of FAULTS in turn every ``fault_interval_s`` into the shared
-    tiers (shared memory and disk, ``tier_bytes`` each; memory ``tier_bytes`` too)."""
+    tiers (shared memory and disk, ``tier_bytes`` each; memory ``tier_bytes`` too).
+    ``connector`` "none" serves the same load with vLLM's own prefix cache instead (no
+    faults): the baseline of what batching alone changes against the one-at-a-time controls."""
 
     model: str
     workdir: str | Path
@@ -41,6 +43,7 @@ class LoadTest:
     tier_bytes: int = 64 << 20
     dtype: str = "float32"
     seed: int = 0
+    connector: str = "kvlab"
     faults: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAULTS, 0), init=False)
 
     def __post_init__(self) -> None:
@@ -48,6 +51,8 @@ class LoadTest:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.connector not in ("kvlab", "none"):
+            raise ValueError(f"connector must be 'kvlab' or 'none', got {self.connector!r}")
         if not (Path(self.model) / "config.json").exists():
             raise FileNotFoundError(f"no model folder at {self.model}")
 
@@ -100,7 +105,8 @@ class LoadTest:
         folders = {"shm": shm, "disk": root / "disk"}
         extra = {"tiers": ["memory", "shm", "disk"], "shm_path": str(shm), "disk_path": str(folders["disk"]),
                  "store_bytes": self.tier_bytes, "shm_bytes": self.tier_bytes, "disk_bytes": 4 * self.tier_bytes}
-        server = VLLMServer(self.model, "kvlab", extra, dtype=self.dtype, max_model_len=1024,
+        server = VLLMServer(self.model, self.connector, extra if self.connector == "kvlab" else {},
+                            prefix_caching=self.connector == "none", dtype=self.dtype, max_model_len=1024,
                             args=("--num-gpu-blocks-override", str(self.num_gpu_blocks),
                                   "--max-num-seqs", str(self.clients)))
         stop = threading.Event()
@@ -108,13 +114,15 @@ class LoadTest:
             with server:
                 injector = threading.Thread(target=self.inject, args=(folders, stop), daemon=True)
                 began = time.perf_counter()
-                injector.start()
+                if self.connector == "kvlab":
+                    injector.start()
                 with ThreadPoolExecutor(self.clients) as pool:
                     rows = list(progress(pool.map(lambda i: self._request(server, i, prompts[i]), range(len(prompts))),
                                          total=len(prompts), desc="requests", unit="request"))
                 wall_s = time.perf_counter() - began
                 stop.set()
-                injector.join()
+                if injector.is_alive():
+                    injector.join()
                 counters = server_counters(server)
         finally:
             stop.set()
@@ -146,9 +154,10 @@ def server_counters(server: Any) -> dict[str, float]:
         text = response.read().decode()
     out: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith(PROM_PREFIX) and not line.startswith("#"):
-            name = line.split("{")[0].split()[0].removeprefix(PROM_PREFIX).removesuffix("_total")
-            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        name = line.split("{")[0].split()[0] if line.startswith(PROM_PREFIX) else ""
+        if name.endswith("_total"):  # a counter's value (not its _created timestamp)
+            key = name.removeprefix(PROM_PREFIX).removesuffix("_total")
+            out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
 
 

@@ -44,24 +44,26 @@ def shm_folder():
 
 
 def poisoning_sequence(ids: list[int]) -> list[list[int]]:
-    """Issue 25's reproduction: a ~500-token prefix l0 with suffix s0 twice, twelve unique
-    160-320-token prompts (they push l0 out of the memory and shared-memory budgets, not off
-    disk), then l0 with suffix s1 twice and with s2 twice."""
+    """Issue 25's reproduction, scaled to 32 MiB budgets: a ~500-token prefix l0 with suffix
+    s0 twice, four unique 300-token prompts (they push l0 out of the memory and shared-memory
+    budgets, not off disk), then l0 with suffix s1 twice and with s2 twice."""
     l0 = ids[2000:2500]
     suffixes = [ids[3000 + 100 * i: 3000 + 100 * i + 30 + 15 * i] for i in range(3)]
-    unique = [ids[4000 + 700 * i: 4000 + 700 * i + 160 + 15 * i] for i in range(12)]
+    unique = [ids[4000 + 700 * i: 4000 + 700 * i + 300] for i in range(4)]
     with_suffix = [l0 + s for s in suffixes]
     return [with_suffix[0]] * 2 + unique + [with_suffix[1]] * 2 + [with_suffix[2]] * 2
 
 
 def test_a_failed_load_never_poisons_the_store(smollm2, book_ids, shm_folder, tmp_path) -> None:
-    """Tiers memory, shared memory and disk, 64 MiB of memory and of shared memory (five
-    256-token chunks of SmolLM2 fp32), one request at a time: every output equals vLLM's own
-    prefix cache fed the same sequence, bitwise, with the same hits."""
+    """Tiers memory, shared memory and disk, 32 MiB of memory and of shared memory (l0's two
+    chunks of SmolLM2 fp32 and little more), one request at a time: every output equals vLLM's
+    own prefix cache fed the same sequence, bitwise, with the same hits. (Before the fix the
+    scheduler promised l0's evicted shared-memory files, the load failed, and the step saved
+    the unfilled blocks: the later l0 requests were wrong.)"""
     sequence = poisoning_sequence(book_ids)
     common = {"model": smollm2, "dtype": "float32", "max_tokens": 4, "phases": ("cold",)}
     extra = {"tiers": ["memory", "shm", "disk"], "shm_path": shm_folder, "disk_path": str(tmp_path / "disk"),
-             "store_bytes": 64 * MIB, "shm_bytes": 64 * MIB}
+             "store_bytes": 32 * MIB, "shm_bytes": 32 * MIB}
     control = run_engine(EngineSpec(**common, prefix_caching=True), sequence)
     kvlab = run_engine(EngineSpec(**common, connector="kvlab", extra=extra), sequence)
     assert hits(kvlab, "cold") == hits(control, "cold")
@@ -71,21 +73,20 @@ def test_a_failed_load_never_poisons_the_store(smollm2, book_ids, shm_folder, tm
     assert stats["store"]["evicted"] > 0, "the budgets were full: l0 left memory and shared memory"
 
 
-
-def test_preempted_requests_under_a_small_kv_cache_keep_their_kv_right(smollm2, book_ids, shm_folder, tmp_path) -> None:
-    """16 concurrent requests of ~500 tokens (16 blocks; four shared prefixes, four suffixes
-    each), each generating 64 tokens, into a KV cache of 50 blocks of 32 tokens: three
-    requests fit, their decodes outgrow the two blocks left, and vLLM preempts requests
-    while the connector saves and loads.
-    Then the same 16 again. No request fails, the connector hits, and every output is within
-    the stated drift of an engine without a connector under the same pressure (a hit splits
-    the prefill differently; wrong KV moves logprobs by far more)."""
-    prefixes = [book_ids[500 * i: 500 * i + 450] for i in range(4)]
-    prompts = [prefix + book_ids[3000 + 97 * j: 3000 + 97 * j + 40 + 6 * j] for prefix in prefixes for j in range(4)]
-    common = {"model": smollm2, "dtype": "float32", "max_tokens": 64, "batch": True, "phases": ("cold", "warm"),
-              "num_gpu_blocks": 51, "max_num_seqs": 16, "max_model_len": 1024}
-    extra = {"tiers": ["memory", "shm", "disk"], "shm_path": shm_folder, "disk_path": str(tmp_path / "disk"),
-             "store_bytes": 64 * MIB, "shm_bytes": 64 * MIB}
+def test_preempted_requests_under_a_small_kv_cache_keep_their_kv_right(tiny_llama: Path, shm_folder, tmp_path) -> None:
+    """16 concurrent requests of ~250 tokens (8 blocks; four shared prefixes, four suffixes
+    each), each generating 64 tokens, into a KV cache of 28 blocks of 32 tokens: three requests
+    fit, their decodes outgrow the blocks left, and vLLM preempts requests while the connector
+    saves and loads (and loads again when they resume). Then the same 16 again. No request
+    fails, the connector hits, and every output is within the stated drift of an engine without
+    a connector under the same pressure (a hit splits the prefill differently; wrong KV moves
+    logprobs by far more). The small random Llama keeps it fast; the load test
+    (``python -m kvlab loadtest``) does the same to SmolLM2 through ``vllm serve``."""
+    prompts = [list(range(1000 + 300 * i, 1000 + 300 * i + 220)) + list(range(9000 + 50 * j, 9000 + 50 * j + 20 + 5 * j))
+               for i in range(4) for j in range(4)]
+    common = {"model": str(tiny_llama), "dtype": "float32", "max_tokens": 64, "batch": True,
+              "phases": ("cold", "warm"), "num_gpu_blocks": 28, "max_num_seqs": 16, "max_model_len": 800}
+    extra = {"tiers": ["memory", "shm", "disk"], "shm_path": shm_folder, "disk_path": str(tmp_path / "disk")}
     none = run_engine(EngineSpec(**common), prompts)
     kvlab = run_engine(EngineSpec(**common, connector="kvlab", extra=extra), prompts)
     stats = kvlab["connector"]["default"]
