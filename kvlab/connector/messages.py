@@ -13,11 +13,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 @dataclass(frozen=True)
 class Source:
     """Where a block can be loaded from: a tier, the chunk holding it on each worker
-    (ranks in order), and its position in the chunk."""
+    (ranks in order), its position in the chunk, and the block's own key (each worker checks
+    that its chunk holds that block there: engines with other chunk sizes sharing a folder
+    write chunks of the same name that start elsewhere)."""
 
     tier: str
     chunk_keys: tuple[str, ...]
     position: int
+    block_key: str = ""
 
 
 @dataclass

@@ -70,8 +70,8 @@ class SchedulerSide:
                 tier.check()  # a tier that cannot be reached fails start-up
         self.signature: str | None = None  # the workers' cache, once they report it
         self._requests: dict[str, _RequestState] = {}
-        # (tier, chunk key) -> (the stored chunk's identity when checked, intact and of this cache)
-        self._checked: OrderedDict[tuple[str, str], tuple[object, bool]] = OrderedDict()
+        # (tier, chunk key) -> (the stored chunk's identity when checked, its block keys if intact and of this cache)
+        self._checked: OrderedDict[tuple[str, str], tuple[object, tuple[str, ...] | None]] = OrderedDict()
         self._replanned: set[str] = set()
         self._located: dict[tuple[str, str], tuple[str, int] | None] = {}  # (tier, shard key) -> where, this lookup
         self._pinned: list[str] = []
@@ -124,7 +124,7 @@ class SchedulerSide:
                 chunk_key, position, entry = found
                 if not entry.stored:  # still being stored: the hit would grow once it is
                     return None
-                out.append(Source("memory", (chunk_key,) * self.workers, position))
+                out.append(Source("memory", (chunk_key,) * self.workers, position, key))
                 continue
             source = self._shared_source(key)
             if source is None:
@@ -143,13 +143,14 @@ class SchedulerSide:
         for tier in self.shared.shared:
             chunk_keys, positions = [], set()
             for rank in range(self.workers):
-                found = self._located.get((tier.name, shard_key(key, rank, self.workers)))
-                if found is None or not self._intact(tier, found[0]):
+                shard = shard_key(key, rank, self.workers)
+                found = self._located.get((tier.name, shard))
+                if found is None or not self._holds(tier, found[0], found[1], shard):
                     break
                 chunk_keys.append(found[0])
                 positions.add(found[1])
             if len(chunk_keys) == self.workers and len(positions) == 1:
-                return Source(tier.name, tuple(chunk_keys), positions.pop())
+                return Source(tier.name, tuple(chunk_keys), positions.pop(), key)
         return None
 
     def _locate_shared(self, keys: list[str]) -> None:
@@ -167,24 +168,32 @@ class SchedulerSide:
         indexed may be damaged: saving over it repairs it)."""
         for tier in self.shared.shared if self.shared is not None else ():
             for rank in range(self.workers):
-                found = self._located.get((tier.name, shard_key(key, rank, self.workers)))
-                if found is None or not self._intact(tier, found[0]):
+                shard = shard_key(key, rank, self.workers)
+                found = self._located.get((tier.name, shard))
+                if found is None or not self._holds(tier, found[0], found[1], shard):
                     return False
         return self.shared is not None
 
-    def _intact(self, tier: Any, chunk_key: str) -> bool:
+    def _holds(self, tier: Any, chunk_key: str, position: int, block_key: str) -> bool:
+        """Whether the shared chunk, checked, holds ``block_key`` at ``position`` (an engine
+        with another chunk size writes a chunk of the same name that starts elsewhere)."""
+        keys = self._checked_keys(tier, chunk_key)
+        return keys is not None and position < len(keys) and keys[position] == block_key
+
+    def _checked_keys(self, tier: Any, chunk_key: str) -> tuple[str, ...] | None:
         """Read and check a shared chunk (checksum, and that it fits the workers' cache)
         before it is promised to a worker, again whenever it changed or vanished since (one
-        stat tells) or a worker could not load it; a damaged or foreign one is never
-        promised."""
+        stat tells) or a worker could not load it; its block keys, None for a damaged or
+        foreign one, which is never promised."""
         memo = (tier.name, chunk_key)
         identity = tier.identity(chunk_key)
         if identity is None:
             self._checked.pop(memo, None)
-            return False
+            return None
         if memo not in self._checked or self._checked[memo][0] != identity:
             chunk = tier.get(chunk_key)
-            self._checked[memo] = (identity, chunk is not None and chunk.signature == self.signature)
+            good = chunk is not None and chunk.signature == self.signature
+            self._checked[memo] = (identity, tuple(chunk.block_keys) if good else None)
             if len(self._checked) > CHECKED_CHUNKS:
                 self._checked.popitem(last=False)
         self._checked.move_to_end(memo)

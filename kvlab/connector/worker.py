@@ -59,6 +59,12 @@ def tensor_parallel_rank() -> tuple[int, int]:
         return 0, 1
 
 
+def _holds(chunk: Chunk, expect: dict[int, str]) -> bool:
+    """Whether ``chunk`` holds each expected block key at its position (no key: unchecked)."""
+    return all(position < len(chunk.block_keys) and (not key or chunk.block_keys[position] == key)
+               for position, key in expect.items())
+
+
 def cross_layer_decision(asked: bool, cache: KVCache) -> str:
     """What became of ``enable_cross_layers_blocks``, and why, for the registration line."""
     if not asked:
@@ -149,24 +155,29 @@ class WorkerSide:
 
     def _by_chunk(self, spec: LoadSpec) -> list[tuple[Chunk | None, list[int], list[int]]]:
         """The step's sources grouped by chunk, each chunk fetched (and checked) once."""
-        groups: list[tuple[Any, Chunk | None, list[int], list[int]]] = []
+        groups: list[tuple[tuple[str, str], list[int], list[int], list[str]]] = []
         for source, block_id in zip(spec.sources, spec.block_ids):
             ident = (source.tier, source.chunk_keys[self.rank])
             if not groups or groups[-1][0] != ident:
-                groups.append((ident, self._fetch(*ident), [], []))
-            groups[-1][2].append(source.position)
-            groups[-1][3].append(block_id)
-        return [(chunk, positions, block_ids) for _, chunk, positions, block_ids in groups]
+                groups.append((ident, [], [], []))
+            groups[-1][1].append(source.position)
+            groups[-1][2].append(block_id)
+            groups[-1][3].append(source.block_key)
+        return [(self._fetch(*ident, dict(zip(positions, keys))), positions, block_ids)
+                for ident, positions, block_ids, keys in groups]
 
-    def _fetch(self, tier: str, chunk_key: str) -> Chunk | None:
+    def _fetch(self, tier: str, chunk_key: str, expect: dict[int, str] | None = None) -> Chunk | None:
         """The chunk from the tier the scheduler named, else from the next shared tier that
-        holds it (a file another process evicted, a damaged copy), checked; None when no
-        tier can give it. Every tier that could not is reported, so the scheduler stops
-        routing loads there."""
+        holds it (a file another process evicted, a damaged copy), checked: of this cache, and
+        holding at each position the block ``expect`` names there (this worker's shard of it in
+        a shared tier); None when no tier can give it. Every tier that could not is reported,
+        so the scheduler stops routing loads there."""
         names = [tier] + [t.name for t in self.store.shared if t.name != tier]
         for name in names:
             chunk = self._read(name, chunk_key)
-            if chunk is not None and chunk.signature == self.signature:
+            keys = {position: key if name == "memory" or not key else shard_key(key, self.rank, self.workers)
+                    for position, key in (expect or {}).items()}
+            if chunk is not None and chunk.signature == self.signature and _holds(chunk, keys):
                 self.stats.fallback_loads += name != tier
                 return chunk
             with self._lock:

@@ -252,3 +252,38 @@ def test_after_any_failed_load_what_is_stored_is_right(tmp_path, monkeypatch, fa
         assert all(torch.equal(x, y) for x, y in zip(blocks(worker, [10, 11, 12, 13]), computed)), \
             "the prefix's stored KV is the KV the first request computed"
     assert worker.stats.cancelled_saves >= 1
+
+
+def test_engines_with_other_chunk_sizes_sharing_a_folder_never_load_a_block_from_the_wrong_position(tmp_path) -> None:
+    """Engine A stores 2-block chunks, engine B 4-block chunks, in one folder; a chunk is named
+    by its last block, so B's chunk ending at block 3 replaces A's file of the same name (blocks
+    2 and 3, where B's holds 0 to 3). A's index still says block 2 is at position 0 of that file:
+    a load from there would put block 0's KV in block 2. The scheduler and the worker check the
+    block's own key at its position: A loads only what is really there."""
+    folder = str(tmp_path / "disk")
+    a, a_worker = connector_pair(GQA, NUM_BLOCKS, {"tiers": ["disk"], "disk_path": folder, "chunk_size": 2 * BS,
+                                                   "store_name": "a"})
+    b, b_worker = connector_pair(GQA, NUM_BLOCKS, {"tiers": ["disk"], "disk_path": folder, "chunk_size": 4 * BS,
+                                                   "store_name": "b"})
+    register(a_worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
+    register(b_worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
+    request = vllm_request("b", PROMPT)
+    hit, _ = b.get_num_new_matched_tokens(request, 0)
+    while hit is None:  # B looks up before A has stored anything
+        settle(b, b_worker)
+        hit, _ = b.get_num_new_matched_tokens(request, 0)
+    b.update_state_after_alloc(request, None, hit)
+    fill(a_worker, [0, 1, 2, 3], seed=7)
+    computed = [blocks(a_worker, [i]) for i in range(4)]
+    prefill(a, a_worker, "a", PROMPT, [0, 1, 2, 3, 4])
+    assert prefill(a, a_worker, "a2", PROMPT, [5, 6, 7, 8, 9])["hit_tokens"] == 4 * BS  # A indexes its chunks
+    fill(b_worker, [0, 1, 2, 3], seed=7)  # the same prompt: the same KV
+    step(b, b_worker, schedule("b", PROMPT, [0, 1, 2, 3, 4], hit))
+    settle(b, b_worker, finished={"b"})
+
+    fill(a_worker, [5, 6, 7, 8], seed=8)
+    loaded = prefill(a, a_worker, "c", PROMPT, [5, 6, 7, 8, 9])["hit_tokens"] // BS
+    assert loaded >= 2, "A's own first chunk is still there"
+    for i in range(loaded):
+        assert all(torch.equal(x, y) for x, y in zip(blocks(a_worker, [5 + i]), computed[i])), \
+            f"block {i} loaded is the block its key names"
