@@ -73,6 +73,17 @@ def smollm2() -> str:
         pytest.skip(str(error))
 
 
+@pytest.fixture
+def fresh_stores():
+    """No connector state in this process before and after the test (stores and counters are
+    per process, by store name: kvlab.connector.stores)."""
+    from kvlab.connector import reset_stores
+
+    reset_stores()
+    yield
+    reset_stores()
+
+
 @pytest.fixture(scope="session")
 def tiny_llama() -> Path:
     """The small random Llama (fast engines); skips without vLLM or the prepared folder."""

@@ -18,6 +18,8 @@ from kvlab.cache import ModelGeometry, allocate, layer_name  # noqa: E402
 from kvlab.connector import ConnectorConfig, KVLabConnector, reset_stores  # noqa: E402
 from kvlab.connector.driver import connector_pair, prefill, register, settle, stand_in_config, vllm_request  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("fresh_stores")
+
 NUM_BLOCKS = 24
 GQA = ModelGeometry("tiny-gqa", 4, 2, 64, torch.float32, 16)
 MLA = ModelGeometry.mla("tiny-mla", 3, 64, 32, dtype=torch.bfloat16, block_size=16)

@@ -21,6 +21,8 @@ from kvlab.connector.driver import (  # noqa: E402
     connector_group, prefill, register, schedule, settle, step, vllm_request,
 )
 
+pytestmark = pytest.mark.usefixtures("fresh_stores")
+
 RANK = ModelGeometry("tp-rank", 4, 1, 64, torch.float32, 16)  # one rank's share of 2 kv heads
 BS, NUM_BLOCKS = RANK.block_size, 24
 PROMPT = list(range(4 * BS + 1))

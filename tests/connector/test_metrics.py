@@ -23,6 +23,8 @@ from kvlab.connector import KVLabConnector  # noqa: E402
 from kvlab.connector.driver import connector_pair, prefill, register, stand_in_config  # noqa: E402
 from kvlab.connector.metrics import COUNTERS, KVLabStats  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("fresh_stores")
+
 NUM_BLOCKS = 24
 GQA = ModelGeometry("tiny-gqa", 4, 2, 64, torch.float32, 16)
 BS = GQA.block_size

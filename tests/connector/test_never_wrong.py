@@ -25,6 +25,8 @@ from kvlab.connector.driver import (  # noqa: E402
 )
 from kvlab.connector.weights import new_weights_epoch  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("fresh_stores")
+
 NUM_BLOCKS = 24
 GQA = ModelGeometry("tiny-gqa", 4, 2, 64, torch.float32, 16)
 BS = GQA.block_size
