@@ -16,6 +16,7 @@ from conftest import prepared, running
 
 pytest.importorskip("vllm")
 
+from kvlab.connector.metrics import PROM_COUNTERS  # noqa: E402
 from kvlab.runtime.engine import SPLIT_DRIFT, gap_through_divergence  # noqa: E402
 from kvlab.runtime.models import SMOLLM2, TINY_LLAMA  # noqa: E402
 from kvlab.runtime.servers import ServerError, VLLMServer  # noqa: E402
@@ -86,7 +87,7 @@ def test_the_seeds_command_verbatim_serves_repeats_from_the_connector(tmp_path, 
     assert connector_repeat["choices"][0]["text"] == vllm_repeat["choices"][0]["text"]
     assert salted == [0, 0, reused]
     # through vLLM's stats (worker and scheduler sides) to its Prometheus endpoint
-    assert set(counters) == {"hit_tokens", "loaded_blocks", "saved_blocks", "load_errors", "save_errors"}, counters
+    assert set(counters) == set(PROM_COUNTERS), counters
     assert counters["hit_tokens"] >= reused and counters["loaded_blocks"] > 0 and counters["saved_blocks"] > 0
     assert counters["load_errors"] == counters["save_errors"] == 0
     # kvlab's lines reach vLLM's own log (vllm serve configures only the "vllm" logger): one per worker
