@@ -209,28 +209,39 @@ def run_lmeval(args: argparse.Namespace) -> int:
 
 def run_loadtest(args: argparse.Namespace) -> int:
     """KVLabConnector through ``vllm serve`` under load and faults, every response against its
-    same-split control (kvlab.experiments.load_test); appends one summary row to
-    data/results and exits 1 unless no request failed and none differed from its control."""
+    same-split control (kvlab.experiments.load_test); or (``--measure``) the worker's memory
+    with a full memory tier, or the chunk checks' cost. Appends one summary row to
+    data/results; the load test exits 1 unless no request failed and none left the bound."""
     import tempfile
     from pathlib import Path
 
     from transformers import AutoTokenizer
 
-    from kvlab.experiments.load_test import LoadTest
+    from kvlab.experiments.load_test import LoadTest, integrity_costs, worker_memory
     from kvlab.experiments.tasks import book_text
     from kvlab.results import default_results_path, record_run
     from kvlab.runtime import models
 
     model = args.model if Path(args.model).is_dir() else str(models.model_path(args.model))
-    with tempfile.TemporaryDirectory() as tmp:
-        test = LoadTest(model, tmp, requests=args.requests, clients=args.clients, num_gpu_blocks=args.num_gpu_blocks,
-                        fault_interval_s=args.fault_interval, connector=args.connector)
-        result = test.run(AutoTokenizer.from_pretrained(model)(book_text())["input_ids"])
-    summary = {k: v for k, v in result.items() if k != "rows"}
-    out = args.out or default_results_path("05_load_test", "cpu")
+    if args.measure == "integrity":
+        summary, stem = integrity_costs(), "05_integrity_costs"
+    else:
+        ids = AutoTokenizer.from_pretrained(model)(book_text())["input_ids"]
+        if args.measure == "memory":
+            summary, stem = worker_memory(model, ids, prompts=args.requests), "05_worker_memory"
+        else:
+            with tempfile.TemporaryDirectory() as tmp:
+                test = LoadTest(model, tmp, requests=args.requests, clients=args.clients,
+                                num_gpu_blocks=args.num_gpu_blocks, fault_interval_s=args.fault_interval,
+                                connector=args.connector)
+                summary = {k: v for k, v in test.run(ids).items() if k != "rows"}
+            stem = "05_load_test"
+    out = args.out or default_results_path(stem, "cpu")
     record_run(out, [summary], "cpu")
-    print(json.dumps(summary, indent=2))
+    print(json.dumps({k: v for k, v in summary.items() if k != "rss_mib"}, indent=2))
     print(f"appended the summary to {out}")
+    if args.measure != "serve":
+        return 0
     return 0 if summary["failed"] == 0 and summary["within_drift"] == summary["requests_sent"] else 1
 
 
@@ -357,6 +368,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     load.add_argument("--fault-interval", type=float, default=1.0, help="seconds between injected faults")
     load.add_argument("--connector", choices=["kvlab", "none"], default="kvlab",
                       help="none: vLLM's own prefix cache under the same load, no faults (the batching baseline)")
+    load.add_argument("--measure", choices=["serve", "memory", "integrity"], default="serve",
+                      help="serve: the load test; memory: the worker's RSS over --requests unique prompts with a "
+                           "512 MiB memory tier; integrity: CRC32C and HMAC-SHA256 cost per byte")
     load.add_argument("--out", default=None, help="results file (default: data/results/05_load_test-<machine>.jsonl)")
 
     summary = sub.add_parser("device-summary", help="summarize a scripts/device-check run (the folder it wrote)")

@@ -22,7 +22,7 @@ from kvlab.connector.keys import model_seed, request_keys
 from kvlab.connector.messages import KVLabMetadata, KVLabWorkerMeta, LoadSpec, SaveSpec, Source
 from kvlab.connector.stores import ConnectorStats, lookup_store
 from kvlab.connector.weights import START_EPOCH, forget_epoch, weights_epoch
-from kvlab.store.keys import block_hashes, shard_key
+from kvlab.store.keys import block_hashes, holds, shard_key
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -175,10 +175,9 @@ class SchedulerSide:
         return self.shared is not None
 
     def _holds(self, tier: Any, chunk_key: str, position: int, block_key: str) -> bool:
-        """Whether the shared chunk, checked, holds ``block_key`` at ``position`` (an engine
-        with another chunk size writes a chunk of the same name that starts elsewhere)."""
+        """Whether the shared chunk, checked, holds ``block_key`` at ``position``."""
         keys = self._checked_keys(tier, chunk_key)
-        return keys is not None and position < len(keys) and keys[position] == block_key
+        return keys is not None and holds(keys, position, block_key)
 
     def _checked_keys(self, tier: Any, chunk_key: str) -> tuple[str, ...] | None:
         """Read and check a shared chunk (checksum, and that it fits the workers' cache)

@@ -17,6 +17,8 @@ import secrets
 import tempfile
 from pathlib import Path
 
+from kvlab.store.tiers import own_folder
+
 # The epoch an engine runs before any weight load: the folder's weights.
 START_EPOCH = ""
 
@@ -24,12 +26,8 @@ START_EPOCH = ""
 def _epochs_folder() -> Path:
     """A folder of this user's alone: another user must not be able to set an epoch."""
     folder = Path(tempfile.gettempdir()) / f"kvlab-{os.geteuid()}" / "weights"
-    for path in (folder.parent, folder):
-        path.mkdir(exist_ok=True, mode=0o700)
-        stat = path.stat()
-        if stat.st_uid != os.geteuid() or stat.st_mode & 0o077:
-            raise ValueError(f"KVLabConnector: {path} belongs to uid {stat.st_uid} with mode "
-                             f"{stat.st_mode & 0o777:o}; it must be this user's alone (mode 700): remove it")
+    for path in (folder.parent, folder):  # whoever can write the parent can swap the folder
+        own_folder(path, f"KVLabConnector's weights epochs folder {path}")
     return folder
 
 

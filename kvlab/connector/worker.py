@@ -28,7 +28,7 @@ from kvlab.connector.messages import KVLabMetadata, KVLabWorkerMeta, LoadSpec, S
 from kvlab.connector.stores import ConnectorStats, worker_store
 from kvlab.connector.weights import watch_weight_loads, weights_epoch
 from kvlab.store.chunk import Chunk
-from kvlab.store.keys import shard_key, signature
+from kvlab.store.keys import holds, shard_key, signature
 from kvlab.transfer.common import in_callers_mode
 from kvlab.transfer.engine import Transfer, host_buffer, run_all
 from kvlab.transfer.layerwise import LayerwiseLoad
@@ -57,12 +57,6 @@ def tensor_parallel_rank() -> tuple[int, int]:
         return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
     except (AssertionError, ImportError):
         return 0, 1
-
-
-def _holds(chunk: Chunk, expect: dict[int, str]) -> bool:
-    """Whether ``chunk`` holds each expected block key at its position (no key: unchecked)."""
-    return all(position < len(chunk.block_keys) and (not key or chunk.block_keys[position] == key)
-               for position, key in expect.items())
 
 
 def cross_layer_decision(asked: bool, cache: KVCache) -> str:
@@ -172,12 +166,13 @@ class WorkerSide:
         holding at each position the block ``expect`` names there (this worker's shard of it in
         a shared tier); None when no tier can give it. Every tier that could not is reported,
         so the scheduler stops routing loads there."""
-        names = [tier] + [t.name for t in self.store.shared if t.name != tier]
-        for name in names:
+        expect = {position: key for position, key in (expect or {}).items() if key}
+        shards = {position: shard_key(key, self.rank, self.workers) for position, key in expect.items()}
+        for name in [tier] + [t.name for t in self.store.shared if t.name != tier]:
             chunk = self._read(name, chunk_key)
-            keys = {position: key if name == "memory" or not key else shard_key(key, self.rank, self.workers)
-                    for position, key in (expect or {}).items()}
-            if chunk is not None and chunk.signature == self.signature and _holds(chunk, keys):
+            wanted = expect if name == "memory" else shards  # a shared tier holds this worker's shard
+            if (chunk is not None and chunk.signature == self.signature
+                    and all(holds(chunk.block_keys, position, key) for position, key in wanted.items())):
                 self.stats.fallback_loads += name != tier
                 return chunk
             with self._lock:

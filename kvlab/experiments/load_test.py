@@ -1,10 +1,14 @@
-"""Never wrong KV under load, measured through ``vllm serve`` (docs/reliability.md): many
+"""Never wrong KV under load, and what it costs (docs/reliability.md).
+
+:class:`LoadTest`, through ``vllm serve``: many
 clients at once into a small KV cache (vLLM preempts requests while KVLabConnector saves and
 loads), prompts sharing prefixes, and faults injected into the shared tiers mid-run (files
 another process evicts, damaged files). Every response is then compared with its same-split
 control: vLLM's own prefix cache, with no connector, hitting exactly as many tokens as the
 response reports cached (a cache salt per pair keeps the controls apart), so a wrong KV
-shows and a prefill split differently does not."""
+shows and a prefill split differently does not. :func:`worker_memory`: the worker's resident
+memory while its memory tier is full. :func:`integrity_costs`: what the CRC32C and the keyed
+MAC (``auth_key``) cost per byte."""
 
 from __future__ import annotations
 
@@ -47,10 +51,13 @@ class LoadTest:
     faults: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAULTS, 0), init=False)
 
     def __post_init__(self) -> None:
-        for name in ("requests", "clients", "num_gpu_blocks", "max_tokens"):
+        for name in ("requests", "clients", "num_gpu_blocks", "max_tokens", "tier_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if isinstance(self.fault_interval_s, bool) or not isinstance(self.fault_interval_s, (int, float)) \
+                or not self.fault_interval_s > 0:
+            raise ValueError(f"fault_interval_s must be a positive number of seconds, got {self.fault_interval_s!r}")
         if self.connector not in ("kvlab", "none"):
             raise ValueError(f"connector must be 'kvlab' or 'none', got {self.connector!r}")
         if not (Path(self.model) / "config.json").exists():
@@ -123,7 +130,7 @@ class LoadTest:
                 stop.set()
                 if injector.is_alive():
                     injector.join()
-                counters = server_counters(server)
+                counters = server.kvlab_counters()
         finally:
             stop.set()
             shutil.rmtree(shm, ignore_errors=True)
@@ -142,23 +149,6 @@ class LoadTest:
         return {**row, "failed": None, "cached_tokens": details.get("cached_tokens") or 0,
                 "token_ids": [int(t.removeprefix("token_id:")) for t in choice["tokens"]],
                 "logprobs": choice["token_logprobs"]}
-
-
-def server_counters(server: Any) -> dict[str, float]:
-    """KVLabConnector's counters from the server's /metrics (``vllm:kvlab_*``)."""
-    import urllib.request
-
-    from kvlab.connector.metrics import PROM_PREFIX
-
-    with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as response:
-        text = response.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        name = line.split("{")[0].split()[0] if line.startswith(PROM_PREFIX) else ""
-        if name.endswith("_total"):  # a counter's value (not its _created timestamp)
-            key = name.removeprefix(PROM_PREFIX).removesuffix("_total")
-            out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
 
 
 def control_plan(rows: list[dict], prompts: list[list[int]]) -> tuple[list[list[int]], list[str], dict]:
@@ -212,3 +202,53 @@ def summarize_load(rows: list[dict]) -> dict[str, Any]:
             "differing_tokens": sum(r.get("first_difference") is not None for r in answered),
             "max_gap": max((r.get("gap", 0.0) for r in answered), default=0.0),
             "control_split_matched": sum(r.get("control_cached_tokens") == r["cached_tokens"] for r in answered)}
+
+
+def worker_memory(model: str, ids: list[int], prompts: int = 400, store_bytes: int = 512 << 20,
+                  tokens: int = 300) -> dict[str, Any]:
+    """The worker's resident memory after each of ``prompts`` unique ``tokens``-token prompts,
+    one at a time, SmolLM2-style fp32 with a ``store_bytes`` memory tier (it fills, then
+    evicts): the figures that show whether memory stays bounded once the tier is full."""
+    from kvlab.runtime.models import geometry_of
+
+    if len(ids) < 29 * (prompts - 1) + tokens:
+        raise ValueError(f"need at least {29 * (prompts - 1) + tokens} token ids for {prompts} prompts, got {len(ids)}")
+    texts = [ids[29 * i: 29 * i + tokens] for i in range(prompts)]  # each starts elsewhere: no shared block
+    result = run_engine(EngineSpec(model, "kvlab", {"store_bytes": store_bytes}, dtype="float32", max_tokens=1,
+                                   phases=("cold",)), texts, timeout=3600)
+    rss = [row["worker_rss_mib"] for row in result["phases"]["cold"]]
+    saved = (tokens - 1) // BLOCK * BLOCK * geometry_of(model, dtype="float32", block_size=BLOCK).token_bytes
+    full = min(prompts - 1, -(-store_bytes // saved))  # the first prompt whose saves evict
+    after = rss[full:]
+    return {"model": Path(model).name, "prompts": prompts, "tokens": tokens, "store_bytes": store_bytes,
+            "full_at_prompt": full + 1, "rss_first_mib": rss[0], "rss_at_full_mib": rss[full],
+            "rss_min_after_full_mib": min(after), "rss_max_after_full_mib": max(after), "rss_last_mib": rss[-1],
+            "evicted": result["connector"]["default"]["store"]["evicted"],
+            "save_work_s": result["connector"]["default"]["save_work_seconds"], "rss_mib": rss}
+
+
+def integrity_costs(nbytes: int = 12 << 20, repeats: int = 40) -> dict[str, Any]:
+    """Seconds and GB/s of the chunk checks over ``nbytes`` of payload, one thread, best and
+    median of ``repeats``: CRC32C (every shared read) and HMAC-SHA256 (with ``auth_key``)."""
+    import statistics
+
+    import torch
+
+    from kvlab.store.chunk import checksum, mac
+
+    if nbytes <= 0 or repeats <= 0:
+        raise ValueError(f"nbytes and repeats must be positive, got {nbytes}, {repeats}")
+    payload = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    checks = {"crc32c": lambda: checksum([payload]),
+              "hmac_sha256": lambda: mac(b"k" * 32, {"signature": "x"}, [payload.numpy().data])}
+    out: dict[str, Any] = {"nbytes": nbytes, "repeats": repeats}
+    for name, check in checks.items():
+        seconds = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            check()
+            seconds.append(time.perf_counter() - start)
+        out[f"{name}_best_s"], out[f"{name}_median_s"] = min(seconds), statistics.median(seconds)
+        out[f"{name}_best_gb_s"] = nbytes / min(seconds) / 1e9
+        out[f"{name}_median_gb_s"] = nbytes / statistics.median(seconds) / 1e9
+    return out

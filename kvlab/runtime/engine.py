@@ -144,6 +144,10 @@ def run_engine(spec: EngineSpec, prompts: list[list[int]], timeout: float = 900,
     check_inputs(spec.model, prompts)
     _check_mla_block_size(spec)
     _check_reloads(spec)
+    for name in ("num_gpu_blocks", "max_num_seqs"):
+        value = getattr(spec, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
     for phase in ("floor", "control"):  # vLLM's own prefix hit
         if phase in spec.phases and not spec.prefix_caching:
             raise ValueError(f"the {phase} phase needs prefix caching on (EngineSpec(prefix_caching=True))")

@@ -27,6 +27,14 @@ PINNED_ENV = {
 KV_CACHE_GIB = "2"
 
 
+def resident_mib() -> float:
+    """This process's resident memory (VmRSS, Linux), MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise OSError("no VmRSS line in /proc/self/status")
+
+
 def pinned_env() -> dict[str, str]:
     """What every engine process gets: the pinned threads and the KV cache space."""
     return {**PINNED_ENV, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB)}

@@ -337,6 +337,18 @@ class VLLMServer(ManagedServer):
         body = {"model": self.served_model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **kw}
         return self._post("/v1/completions", body)
 
+    def kvlab_counters(self) -> dict[str, float]:
+        """KVLabConnector's Prometheus counters at ``/metrics`` (``vllm:kvlab_<name>_total``,
+        summed over engines), by name."""
+        from kvlab.connector.metrics import PROM_PREFIX
+
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as response:
+            text = response.read().decode()
+        out: dict[str, float] = {}
+        for match in re.finditer(rf"^{re.escape(PROM_PREFIX)}(\w+)_total(?:\{{[^}}]*\}})? (\S+)$", text, re.M):
+            out[match[1]] = out.get(match[1], 0.0) + float(match[2])
+        return out
+
     def reset_prefix_cache(self) -> bool:
         """Empty vLLM's own prefix cache (the connector's tiers stay), so a repeat can only be
         served by the connector. vLLM serves this only with ``VLLM_SERVER_DEV_MODE=1``."""

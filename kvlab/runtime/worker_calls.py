@@ -98,9 +98,6 @@ def reload_weights(worker: Any, folder: str, how: str) -> None:
 
 def resident_mib(worker: Any) -> float:
     """The worker process's resident memory (VmRSS), MiB: what a memory tier's budget bounds."""
-    from pathlib import Path
+    from kvlab.runtime.processes import resident_mib as here
 
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+    return here()

@@ -38,6 +38,13 @@ def block_hashes(token_ids: Sequence[int], block_size: int, seed: str,
     return out
 
 
+def holds(block_keys: Sequence[str], position: int, key: str) -> bool:
+    """Whether a chunk's ``block_keys`` hold ``key`` at ``position``. A chunk is named by its
+    last block, so an engine with another chunk size writes a chunk of the same name that
+    starts elsewhere: a block is loaded only from where its own key is."""
+    return position < len(block_keys) and block_keys[position] == key
+
+
 def shard_key(key: str, rank: int, workers: int) -> str:
     """The key of one worker's shard of a block or chunk under tensor parallelism (each
     worker holds its own kv heads); the key itself with one worker."""

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Sequence
 
 from kvlab.store.chunk import Chunk
-from kvlab.store.keys import valid_key
+from kvlab.store.keys import holds, valid_key
 from kvlab.store.tiers import DiskTier, MemoryTier, RedisTier, SharedMemoryTier, StoreStats, Tier
 
 
@@ -137,7 +137,7 @@ class KVStore:
                 if chunk_key not in checked:
                     checked[chunk_key] = self.get(chunk_key, expect)
                 chunk = checked[chunk_key]
-                if chunk is None or position >= len(chunk.block_keys) or chunk.block_keys[position] != key:
+                if chunk is None or not holds(chunk.block_keys, position, key):
                     break
                 out.append((chunk, position))
             self._mark_used([c for c in dict.fromkeys(c.key for c, _ in out)][::-1])

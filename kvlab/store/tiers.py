@@ -166,7 +166,7 @@ class DiskTier:
         self.budget_bytes = self.capacity_bytes = capacity_bytes  # the configured budget; the limit now
         self.stats = stats
         self.auth_key = auth_key
-        _own_folder(path, f"the store's {self.name}_path {path}")
+        own_folder(path, f"the store's {self.name}_path {path}")
         self._index: dict[str, tuple[str, int]] = {}  # block key -> (chunk key, position)
         self._chunk_blocks: dict[str, list[str]] = {}  # chunk key -> its block keys
         self._seen: dict[str, tuple[int, int]] = {}  # file name -> (size, mtime) already indexed or rejected
@@ -590,7 +590,7 @@ class RedisTier:
         self.discard(chunk_key)
 
 
-def _own_folder(path: Path, what: str) -> None:
+def own_folder(path: Path, what: str) -> None:
     """Create ``path`` and its missing parents mode 0700 (whatever the umask), or check that
     the folder there is this user's and that no one else can write to it: another local
     user who can (a pre-created /dev/shm/kvlab-<name> of mode 0777, say) could plant, swap

@@ -32,6 +32,12 @@ def test_prompts_share_prefixes_and_are_reproducible(model, tmp_path) -> None:
 def test_bad_plans_are_refused(model, tmp_path) -> None:
     with pytest.raises(ValueError, match="clients"):
         LoadTest(model, tmp_path, clients=0)
+    with pytest.raises(ValueError, match="fault_interval_s"):
+        LoadTest(model, tmp_path, fault_interval_s=0)
+    with pytest.raises(ValueError, match="tier_bytes"):
+        LoadTest(model, tmp_path, tier_bytes=-1)
+    with pytest.raises(ValueError, match="connector"):
+        LoadTest(model, tmp_path, connector="lmcache")
     with pytest.raises(FileNotFoundError):
         LoadTest(str(tmp_path / "nothing"), tmp_path)
 
@@ -76,3 +82,20 @@ def test_the_summary_counts_failures_and_differences() -> None:
     summary = summarize_load(rows)
     assert summary["failed"] == 1 and summary["identical"] == 1 and summary["within_drift"] == 1
     assert summary["differing_tokens"] == 1 and summary["max_gap"] == 0.5 and summary["control_split_matched"] == 2
+
+
+def test_the_integrity_costs_measure_both_checks() -> None:
+    from kvlab.experiments.load_test import integrity_costs
+
+    costs = integrity_costs(nbytes=1 << 20, repeats=3)
+    assert costs["crc32c_best_gb_s"] > 0 and costs["hmac_sha256_best_gb_s"] > 0
+    assert costs["crc32c_best_s"] <= costs["crc32c_median_s"]
+    with pytest.raises(ValueError, match="positive"):
+        integrity_costs(nbytes=0)
+
+
+def test_the_memory_measurement_needs_enough_text(model) -> None:
+    from kvlab.experiments.load_test import worker_memory
+
+    with pytest.raises(ValueError, match="token ids for 400 prompts"):
+        worker_memory(model, list(range(100)))

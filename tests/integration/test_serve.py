@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.resources
 import json
 import re
-import urllib.request
 
 import pytest
 from conftest import prepared, running
@@ -36,13 +35,6 @@ def text() -> str:
 
 def cached_tokens(response: dict) -> int:
     return response["usage"]["prompt_tokens_details"]["cached_tokens"]
-
-
-def kvlab_counters(server: VLLMServer) -> dict[str, float]:
-    """KVLabConnector's Prometheus counters at the server's ``/metrics`` (one engine)."""
-    with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as response:
-        text = response.read().decode()
-    return {m[1]: float(m[2]) for m in re.finditer(r"^vllm:kvlab_(\w+)_total\{[^}]*\} (\S+)$", text, re.M)}
 
 
 # ---- real servers ---------------------------------------------------------------------------
@@ -77,7 +69,7 @@ def test_the_seeds_command_verbatim_serves_repeats_from_the_connector(tmp_path, 
         salted = [cached_tokens(server.complete(text, MAX_TOKENS, cache_salt=salt)) for salt in ("a", "b")]
         assert server.reset_prefix_cache()
         salted.append(cached_tokens(server.complete(text, MAX_TOKENS, cache_salt="a")))
-        counters = kvlab_counters(server)
+        counters = server.kvlab_counters()
     assert len(pids) >= 3, "API server, engine core and worker are separate processes"
     assert running(pids) == []
     reused = cached_tokens(vllm_repeat)  # full blocks before the last prompt token, whatever vLLM's block size

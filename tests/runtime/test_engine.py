@@ -67,3 +67,10 @@ def test_bad_weight_loads_are_clear_errors(tmp_path, reloads, phases, error) -> 
     reloads = [{k: (str(tmp_path) if v == "W" else v) for k, v in r.items()} for r in reloads]
     with pytest.raises((ValueError, FileNotFoundError), match=error):
         run_engine(EngineSpec(str(tmp_path), phases=("cold", *phases), reloads=tuple(reloads)), [[1, 2, 3]])
+
+
+@pytest.mark.parametrize("field, value", [("num_gpu_blocks", 0), ("max_num_seqs", -1), ("num_gpu_blocks", 2.5)])
+def test_a_bad_small_cache_setting_is_a_clear_error(tmp_path, field, value) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=f"{field} must be a positive integer"):
+        run_engine(EngineSpec(str(tmp_path), **{field: value}), [[1, 2, 3]])

@@ -521,11 +521,6 @@ def test_triton_without_interpreter_on_cpu(monkeypatch):
         Transfer(_kv_cache(), [1], _kv_cache(), method="triton")
 
 
-def _resident_mib() -> float:
-    return next(int(line.split()[1]) / 1024 for line in Path("/proc/self/status").read_text().splitlines()
-                if line.startswith("VmRSS:"))
-
-
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the resident memory from /proc")
 def test_a_mapped_host_buffer_gives_its_memory_back_when_it_goes():
     """A store's chunks come and go in any order: each in a mapping of its own, zeroed, so
@@ -536,9 +531,11 @@ def test_a_mapped_host_buffer_gives_its_memory_back_when_it_goes():
         assert all(t.count_nonzero() == 0 for t in buffer.storage)
         for t in buffer.storage:
             t.fill_(1)  # resident now
-    held = _resident_mib()
+    from kvlab.runtime.processes import resident_mib
+
+    held = resident_mib()
     del buffers, buffer, t
-    assert held - _resident_mib() >= 0.9 * 4 * 2048 * cache.geometry.block_bytes / 2**20
+    assert held - resident_mib() >= 0.9 * 4 * 2048 * cache.geometry.block_bytes / 2**20
     with pytest.raises(ValueError, match="mapped is for unpinned host"):
         allocate("LBHNC", cache.geometry, 2, "meta", mapped=True)
 
