@@ -122,6 +122,20 @@ def _vllm_v29(name: str, note: str) -> Layout:
     )
 
 
+def _cpu_attn(name: str, note: str) -> Layout:
+    """One of vLLM's ``KVCacheLayout`` orders as CPU_ATTN's kernels read it: each (block,
+    head) page is [2*BS, D], all K rows then all V rows. The kernels follow the block and
+    head strides, so the head-major orders (HNC innermost) all work; the NHD ones cannot
+    be viewed as such pages (tests/connector/test_cpu_backend.py)."""
+    order = "".join(("L", "B", "H", "SND")[i] for i in _V29_PERMUTATIONS[name][:4])
+    return Layout(
+        f"CPU_{name}", "vLLM >= 0.29", order, "BHSND", ("B", "H", "N", "SD"),
+        f"per-layer [B, H, N, 2D] views of one {name} buffer",
+        f"CPU_ATTN reads each (block, head) page as [2*BS, D]: all K rows, then all V rows; {note}",
+        backends="CPU_ATTN" if name == "LBHNC" else "kvlab's CPU_ATTN backend", requires=Holds.KV,
+    )
+
+
 # vllm/v1/kv_cache_layout.py::KVCacheLayout values, checked against the installed vLLM.
 _V29_PERMUTATIONS = {
     "LBHNC": (0, 1, 2, 3, 4),
@@ -153,12 +167,10 @@ _LAYOUTS: list[Layout] = [
         "MLA cross-layer: a block holds every layer's latents in one run",
         requires=Holds.MLA, backends="CPU_MLA, FLASHMLA, TRITON_MLA",
     ),
-    Layout(
-        "CPU_LBHNC", "vLLM >= 0.29", "LBHSND", "BHSND", ("B", "H", "N", "SD"),
-        "per-layer [B, H, N, 2D] views of one LBHNC buffer",
-        "CPU_ATTN reads each (block, head) page as [2*BS, D]: all K rows, then all V rows",
-        backends="CPU_ATTN (the only layout it supports)", requires=Holds.KV,
-    ),
+    _cpu_attn("LBHNC", "CPU_ATTN's own (the only layout it declares): each layer contiguous"),
+    _cpu_attn("LHBNC", "each layer contiguous, heads outside blocks (kvlab's backend)"),
+    _cpu_attn("BLHNC", "cross-layer: a block holds every layer's packed pages in one run (kvlab's backend)"),
+    _cpu_attn("BHLNC", "cross-layer per head: a block is one run, heads outermost (kvlab's backend)"),
     # vLLM 0.12 to 0.28: one tensor per layer (CPU_ATTN's packed page; see GENERATIONS).
     Layout(
         "cpu_attn_v0.23", "vLLM 0.23-0.28", "LBHSND", "BHSND", ("B", "H", "N", "SD"),
@@ -286,6 +298,7 @@ _at = next(i for i, layout in enumerate(_LAYOUTS) if layout.name == "cpu_attn_v0
 _LAYOUTS[_at:_at] = [layout for gen in GENERATIONS for layout in _generation_layouts(gen)]
 LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in _LAYOUTS}
 VLLM_V29_LAYOUTS = tuple(_V29_PERMUTATIONS)
+CPU_ATTN_LAYOUTS = tuple(name for name in LAYOUTS if name.startswith("CPU_"))  # what kvlab's backend reads
 
 
 def register_layout(layout: Layout, *, replace: bool = False) -> Layout:

@@ -62,7 +62,10 @@ class ConnectorConfig:
     """``kv_connector_extra_config`` keys; anything else fails at start-up."""
 
     enable_cross_layers_blocks: bool = False  # ask vLLM for a block-major cache (as the seed change did)
-    layerwise: bool = False  # load layer by layer behind the attention hooks
+    layerwise: bool = False  # load each layer just before its attention, save it right after
+    # layerwise through kvlab.hooks, called from kvlab's CPU attention backend as vllm-ascend's
+    # attention calls them (non-dict metadata, (k, v) tuples); vLLM's own per-layer calls are ignored
+    hooks: bool = False
     tiers: tuple[str, ...] | None = None  # lookup order, from TIERS; default from `store`
     store: str = "cpu"  # shorthand for tiers: "cpu" = memory; "disk" = memory, then disk
     disk_path: str | None = None
@@ -94,7 +97,7 @@ class ConnectorConfig:
         if unknown:
             raise ValueError(f"KVLabConnector: unknown kv_connector_extra_config key(s) {unknown}; "
                              f"known keys are {sorted(known)}")
-        for name in ("enable_cross_layers_blocks", "layerwise", "async_saves"):
+        for name in ("enable_cross_layers_blocks", "layerwise", "hooks", "async_saves"):
             if name in extra and not isinstance(extra[name], bool):
                 raise ValueError(f"KVLabConnector: {name} must be true or false, got {extra[name]!r}")
         for name in ("store_bytes", "disk_bytes", "shm_bytes", "chunk_size"):
@@ -123,6 +126,9 @@ class ConnectorConfig:
                 raise ValueError(f"KVLabConnector: tiers must be a list of tier names from {list(TIERS)}, got {tiers!r}")
             extra["tiers"] = tuple(tiers)
         config = cls(**extra)
+        if config.hooks and not config.layerwise:
+            raise ValueError("KVLabConnector: hooks: true drives a layerwise connector from the attention hooks, "
+                             "but layerwise is false; set \"layerwise\": true too")
         if config.store not in ("cpu", "disk"):
             raise ValueError(f"KVLabConnector: store must be 'cpu' or 'disk', got {config.store!r}")
         tiers = config.tier_names

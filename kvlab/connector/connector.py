@@ -22,14 +22,15 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 
 from kvlab.cache.allocation import adopt, layer_name
-from kvlab.cache.layouts import LAYOUTS, VLLM_V29_LAYOUTS, Holds, compatible_layouts
+from kvlab.cache.layouts import CPU_ATTN_LAYOUTS, LAYOUTS, VLLM_V29_LAYOUTS, Holds, compatible_layouts
 from kvlab.connector.config import CROSS_LAYER_LAYOUT, ConnectorConfig
-from kvlab.connector.geometry import engine_geometry, on_cpu
+from kvlab.connector.geometry import engine_geometry, on_cpu, uses_mla
 from kvlab.connector.messages import KVLabMetadata, KVLabWorkerMeta
 from kvlab.connector.metrics import SCHEDULER_COUNTERS, WORKER_COUNTERS, CounterDeltas, KVLabPromMetrics, KVLabStats
 from kvlab.connector.scheduler import SchedulerSide
 from kvlab.connector.stores import ConnectorStats, shared
 from kvlab.connector.worker import WorkerSide
+from kvlab.hooks import driven_by_hooks
 from kvlab.store.store import KVStore
 
 if TYPE_CHECKING:
@@ -103,11 +104,14 @@ class KVLabConnector(KVConnectorBase_V1):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        """vLLM >= 0.29: ask for a block-major layout when cross-layer blocks are enabled
-        and the platform's attention can use it (not CPU_ATTN, which supports LBHNC only).
-        Each worker's registration line says what became of the request, and why."""
+        """vLLM >= 0.29: ask for a block-major layout when cross-layer blocks are enabled.
+        vLLM grants it when every attention backend declares it (on a CPU, kvlab's backend
+        does; CPU_ATTN alone does not) and otherwise keeps its default with a warning; each
+        worker's registration line says what became of the request, and why. Never for MLA:
+        vLLM keeps MLA caches layer-major (its RFC #45997), and CPU_MLA, declaring no layouts,
+        would be handed BLHNC and fail (its cache update views each layer as one matrix)."""
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config if vllm_config.kv_transfer_config else {}
-        if not ConnectorConfig.parse(extra).enable_cross_layers_blocks or on_cpu():
+        if not ConnectorConfig.parse(extra).enable_cross_layers_blocks or uses_mla(vllm_config):
             return None
         return CROSS_LAYER_LAYOUT
 
@@ -140,10 +144,21 @@ class KVLabConnector(KVConnectorBase_V1):
         layers = {name: tuple(v) if isinstance(v, list) else v for name, v in kv_caches.items()}
         # an MLA latent has one "head": the K/V layouts fit its shape too, but say less
         mla = ["mla_v0.29", "mla_v0.29_cross", "mla_v0.12"] if geometry.is_mla else []
-        preferred = mla + (["CPU_LBHNC"] if on_cpu() else []) + list(VLLM_V29_LAYOUTS)
+        preferred = mla + (list(CPU_ATTN_LAYOUTS) if on_cpu() else []) + list(VLLM_V29_LAYOUTS)
         candidates = preferred + [n for n in compatible_layouts(geometry, chunk_formats=False) if n not in preferred]
         num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
+        if self.config.hooks:
+            self._check_hooks_backend()
         self.worker.register(adopt(layers, geometry, candidates, num_blocks))
+
+    def _check_hooks_backend(self) -> None:
+        """Hooks mode needs an attention that calls kvlab.hooks: kvlab's CPU backend."""
+        from kvlab.connector.backend import installed
+
+        if not (on_cpu() and installed()):
+            raise ValueError("KVLabConnector: hooks: true needs kvlab's CPU attention backend (vLLM's CPU build, with "
+                             "the vllm.general_plugins entry point 'kvlab' loaded; check VLLM_PLUGINS), whose "
+                             "forward calls kvlab.hooks; this engine's attention does not call them")
 
     def register_cross_layers_kv_cache(self, kv_cache: torch.Tensor, attn_backend: Any) -> None:
         """vLLM 0.12-0.28: one tensor for all layers, permuted by the backend's stride order
@@ -176,11 +191,20 @@ class KVLabConnector(KVConnectorBase_V1):
         if meta is not None:
             self.worker.start_load_kv(meta)
 
+    def _answers(self) -> bool:
+        """In hooks mode only the hooks' calls count: vLLM's attention wrapper makes the
+        same calls around the backend's forward, which calls the hooks inside."""
+        return not self.config.hooks or driven_by_hooks(self)
+
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self.worker.wait_for_layer_load(layer_name, self._metadata())
+        if self._answers():
+            self.worker.wait_for_layer_load(layer_name, self._metadata())
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        """Saves happen after the forward (beside the next one with async saves)."""
+        """Layerwise: queue the copy of this layer's blocks of the step's saves, right after
+        its attention wrote them. Otherwise saves run after the forward (``wait_for_save``)."""
+        if self.config.layerwise and self._answers():
+            self.worker.save_layer(layer_name, kv_layer, self._metadata())
 
     def wait_for_save(self) -> None:
         self.worker.wait_for_save(self._metadata())

@@ -4,7 +4,7 @@ whether this is vLLM's CPU platform. Imports vLLM."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,3 +35,9 @@ def on_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
+
+
+def uses_mla(vllm_config: Any) -> bool:
+    """Whether the engine's model keeps an MLA latent cache."""
+    model_config = getattr(vllm_config, "model_config", None)
+    return bool(getattr(model_config, "use_mla", False))

@@ -18,6 +18,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.cache.allocation import KVCache, allocate
@@ -65,8 +66,38 @@ def cross_layer_decision(asked: bool, cache: KVCache) -> str:
         return "cross-layer blocks not asked for"
     if cache.layout.is_cross_layer:
         return "cross-layer blocks asked for and granted"
-    why = "CPU_ATTN supports LBHNC only" if on_cpu() else f"vLLM handed over per-layer {cache.layout.name}"
-    return f"cross-layer blocks asked for, not granted ({why})"
+    if cache.geometry.is_mla:
+        why = ("an MLA latent cache stays layer-major (vLLM's RFC #45997; CPU_MLA's cache update views each layer "
+               "as one [tokens, C] matrix, which a block-major buffer cannot give)")
+    elif on_cpu():
+        from kvlab.connector.backend import installed
+
+        why = ("vLLM's CPU_ATTN declares LBHNC only and kvlab's attention backend is not loaded: VLLM_PLUGINS "
+               "leaves out 'kvlab', or kvlab is not installed in this environment" if not installed()
+               else "VLLM_KV_CACHE_LAYOUT or another attention group chose a layer-major layout")
+    else:
+        why = "this platform's attention backends do not all declare BLHNC"
+    return f"cross-layer blocks asked for, given per-layer {cache.layout.name}: {why}"
+
+
+@dataclass
+class LayerSave:
+    """One save's blocks on their way out, layer by layer: the buffer, the layers whose copy
+    is queued, and the error of a copy that failed (then nothing of it is stored)."""
+
+    spec: SaveSpec
+    buffer: KVCache | None
+    queued: set[int] = field(default_factory=set)  # layers whose copy is queued (done before the store runs)
+    error: Exception | None = None
+
+    def complete(self, num_layers: int) -> bool:
+        """Every layer's copy queued (or one failed): the store may follow them."""
+        return self.error is not None or len(self.queued) == num_layers
+
+
+def _first(kv_layer: Any) -> Any:
+    """A layer's first tensor (its K, or its only tensor)."""
+    return kv_layer[0] if isinstance(kv_layer, (tuple, list)) else kv_layer
 
 
 class WorkerSide:
@@ -98,6 +129,7 @@ class WorkerSide:
         self._tainted: set[str] = set()  # requests whose saves are cancelled
         self._load_failed: set[str] = set()  # reported to the scheduler
         self._missed: set[tuple[str, str]] = set()
+        self._layer_saves: list[LayerSave] | None = None  # this step's saves, copied layer by layer
 
     # ---- registration ------------------------------------------------------------------
     def register(self, cache: KVCache) -> None:
@@ -143,9 +175,11 @@ class WorkerSide:
                 self.stats.load_segments += self._segments(len(block_ids), self.config.layerwise)
         if self.config.layerwise and sources:  # one copy thread (or stream) for the step, layer by layer
             self._loads.append(LayerwiseLoad.from_sources(self.cache, sources, self.config.method).start())
-        else:
+        elif sources:
+            start = time.perf_counter()
             run_all([Transfer(buffer, positions, self.cache, block_ids, self.config.method)
                      for buffer, positions, block_ids in sources], self._copy_workers)
+            self.stats.load_work_seconds += time.perf_counter() - start
 
     def _by_chunk(self, spec: LoadSpec) -> list[tuple[Chunk | None, list[int], list[int]]]:
         """The step's sources grouped by chunk, each chunk fetched (and checked) once."""
@@ -226,6 +260,7 @@ class WorkerSide:
         try:
             for load in self._loads:
                 load.wait(index)
+            self.stats.load_wait_seconds += time.perf_counter() - start
             if index == len(self._layer_index) - 1:
                 self._finish_loads()
         except Exception as error:
@@ -235,6 +270,7 @@ class WorkerSide:
     def _finish_loads(self) -> None:
         for load in self._loads:
             load.finish()
+            self.stats.load_work_seconds += load.work_seconds
         self._loads.clear()
 
     def load_errors(self) -> set[int]:
@@ -258,10 +294,47 @@ class WorkerSide:
         start = time.perf_counter()
         if meta.reset_memory or meta.drops:  # in order with the saves queued before them
             self._run(None, functools.partial(self._drop, list(meta.drops), meta.reset_memory))
+        layer_saves = {id(s.spec): s for s in self._layer_saves or () if s.complete(len(self._layer_index))}
+        self._layer_saves = None
         for spec in reversed(meta.saves):  # tail first: a full tier drops a prompt's tail, not its head
             wrong = spec.req_id in self._tainted or not failed_blocks.isdisjoint(spec.block_ids)
-            self._run(spec.req_id, functools.partial(self._cancel if wrong else self._save, spec))
+            copied = layer_saves.get(id(spec))
+            job = (self._cancel if wrong else functools.partial(self._store, copied=copied) if copied else self._save)
+            self._run(spec.req_id, functools.partial(job, spec))
         self.stats.save_seconds += time.perf_counter() - start
+
+    def save_layer(self, layer_name: str, kv_layer: Any, meta: KVLabMetadata | None) -> None:
+        """Right after layer i's attention: queue the copy of layer i of every block this
+        step saves (beside the following layers with async saves). Sealing and storing wait
+        for ``wait_for_save``, which still cancels a save that a failed load left wrong."""
+        if meta is None or not meta.saves:
+            return
+        start = time.perf_counter()
+        if _first(kv_layer).data_ptr() != _first(self.cache.layers[layer_name]).data_ptr():
+            raise ValueError(f"KVLabConnector: save_kv_layer({layer_name!r}) was given KV that is not that layer "
+                             f"of the registered {self.cache.layout.name} cache")
+        if self._layer_saves is None:
+            self._layer_saves = [self._layer_save(spec) for spec in meta.saves if spec.req_id not in self._tainted]
+        index = self._layer_index[layer_name]
+        for save in self._layer_saves:
+            if save.error is None and index not in save.queued:
+                save.queued.add(index)
+                self._run(save.spec.req_id, functools.partial(self._copy_layer, save, index))
+        self.stats.save_seconds += time.perf_counter() - start
+
+    def _layer_save(self, spec: SaveSpec) -> LayerSave:
+        try:
+            return LayerSave(spec, host_buffer(self.cache, len(spec.block_ids), mapped=True))
+        except Exception as error:  # no room for it: the save stores nothing, the request goes on
+            return LayerSave(spec, None, error=error)
+
+    def _copy_layer(self, save: LayerSave, index: int) -> None:
+        start = time.perf_counter()
+        try:
+            Transfer(self.cache, save.spec.block_ids, save.buffer, method=self.config.method, layers=[index]).run()
+        except Exception as error:  # the save stores nothing; _store counts it
+            save.error = error
+        self.stats.save_work_seconds += time.perf_counter() - start
 
     def _cancel(self, spec: SaveSpec) -> None:
         """Store nothing of a save whose blocks a failed load left wrong (the memory tier's
@@ -281,16 +354,29 @@ class WorkerSide:
                 self._jobs.setdefault(req_id, []).append(future)
 
     def _save(self, spec: SaveSpec) -> None:
-        """Copy the blocks out, seal, keep in memory if the scheduler made room, write
+        """Copy every layer of the blocks out, then :meth:`_store` them."""
+        start = time.perf_counter()
+        save = LayerSave(spec, None)
+        try:
+            # a chunk lives as long as the store keeps it: in a mapping of its own, so that
+            # evicted chunks give their memory back (on the heap they left holes the worker kept)
+            save.buffer = host_buffer(self.cache, len(spec.block_ids), mapped=True)
+            Transfer(self.cache, spec.block_ids, save.buffer, method=self.config.method).run()
+        except Exception as error:
+            save.error = error
+        self.stats.save_work_seconds += time.perf_counter() - start
+        self._store(spec, save, per_layer=False)
+
+    def _store(self, spec: SaveSpec, copied: LayerSave, per_layer: bool = True) -> None:
+        """Seal the copied blocks, keep them in memory if the scheduler made room, write
         through to the shared tiers (this worker's shard under tensor parallelism)."""
         start = time.perf_counter()
         kept = False
         try:
-            # a chunk lives as long as the store keeps it: in a mapping of its own, so that
-            # evicted chunks give their memory back (on the heap they left holes the worker kept)
-            buffer = host_buffer(self.cache, len(spec.block_ids), mapped=True)
-            Transfer(self.cache, spec.block_ids, buffer, method=self.config.method).run()
-            self.stats.save_segments += self._segments(len(spec.block_ids), False)
+            if copied.error is not None:
+                raise copied.error
+            buffer = copied.buffer
+            self.stats.save_segments += self._segments(len(spec.block_ids), per_layer)
             chunk = Chunk(list(spec.block_keys), buffer, self.signature).seal()
             if spec.memory:
                 with self._lock:

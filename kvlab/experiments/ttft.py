@@ -167,3 +167,121 @@ def connector_costs(rows: list[dict]) -> list[dict]:
                        store_gbps=row["kv_bytes"] / row["runner_save_s"] / 1e9 if row["runner_save_s"] > 0 else None)
         costed.append(row)
     return costed
+
+
+# The connector's modes as kv_connector_extra_config: "hooks" is layerwise driven from kvlab's
+# CPU attention backend through kvlab.hooks (non-dict metadata, (k, v) tuples), as on Ascend.
+CONNECTOR_MODES = {"whole-step": {}, "layerwise": {"layerwise": True}, "hooks": {"layerwise": True, "hooks": True}}
+HAND_OVERS = {"LBHNC": "per-layer", "BLHNC": "cross-layer"}
+
+
+def layouts_in_the_engine(model: str, prompts: list[list[int]], redis: Any, dtype: str = "bfloat16",
+                          block_size: int = 32, chunk_size: int | None = None, repeats: int = 3,
+                          layouts: tuple[str, ...] = tuple(HAND_OVERS),
+                          modes: tuple[str, ...] = tuple(CONNECTOR_MODES)) -> list[dict]:
+    """Per-layer (LBHNC) against cross-layer (BLHNC, granted by vLLM's own allocator through
+    kvlab's CPU attention backend) inside the engine, in each connector mode, from memory
+    and from Redis (``redis``, a running kvlab.runtime.redis.RedisServer: a database per
+    engine, as chunks of other layouts are other formats; the memory tier emptied first), each engine in its own
+    process in vLLM's default process layout, beside an engine without a connector (cold:
+    recompute; floor: vLLM's own prefix hit). Each KVLab row gives the time to first token,
+    its overhead over the floor measured in the same engine, the copy time (``copy_s``:
+    the loads' own copying), the model runner's time blocked in the connector's load calls
+    (``runner_load_s``) and, layer by layer, waiting for a layer (``wait_s``), the share of
+    the copying hidden behind compute (1 - wait / copy) and the segments per chunk."""
+    unknown = sorted(set(layouts) - set(HAND_OVERS)) + sorted(set(modes) - set(CONNECTOR_MODES))
+    if unknown:
+        raise ValueError(f"unknown layouts or modes {unknown}; layouts are {list(HAND_OVERS)}, "
+                         f"modes {list(CONNECTOR_MODES)}")
+    check_inputs(model, prompts)
+    common = {"model": model, "dtype": dtype, "block_size": block_size, "prefix_caching": True,
+              "multiprocessing": True}
+    paired = tuple(p for _ in range(repeats) for phase in ("warm", "warm-disk") for p in (phase, "floor"))
+    chunk_blocks = (chunk_size or 256) // block_size
+    plans = [(None, None, EngineSpec(**common, phases=("cold",) + ("floor",) * repeats))]
+    for layout in layouts:
+        for mode in modes:
+            extra = {"tiers": ["memory", "redis"], "redis_url": redis.database(len(plans)), "enable_cross_layers_blocks": layout == "BLHNC",
+                     "store_name": f"{layout}-{mode}", **CONNECTOR_MODES[mode], **({"chunk_size": chunk_size} if chunk_size else {})}
+            plans.append((layout, mode, EngineSpec(**common, connector="kvlab", extra=extra, phases=("cold", *paired))))
+    rows, plain = [], None
+    for layout, mode, spec in progress(plans, desc="engines", unit="engine"):
+        result = run_engine(spec, prompts)
+        plain = plain or result
+        floor = summarize("floor", result, "floor")["median_s"]
+        if layout is None:
+            for phase, label in (("cold", Reuse.RECOMPUTE.label), ("floor", Reuse.VLLM_PREFIX_HIT.label)):
+                rows.append({**summarize(label, result, phase, model=Path(model).name, dtype=dtype), "layout": "LBHNC",
+                             "hand_over": None, "mode": None, "tier": None, "engine_floor_s": floor,
+                             "overhead_s": None if phase == "cold" else 0.0})
+            continue
+        for phase, tier in (("warm", "memory"), ("warm-disk", "Redis")):
+            samples = result["phases"][phase]
+            counters = [r["kvlab"] for r in samples]
+            copy = statistics.median(c["load_work_seconds"] for c in counters)
+            wait = statistics.median(c["load_wait_seconds"] for c in counters)
+            row = summarize(f"KVLab {layout} {mode}, {tier}", result, phase, connector="kvlab", model=Path(model).name,
+                            dtype=dtype)
+            row.update(layout=layout, hand_over=HAND_OVERS[layout], mode=mode, tier=tier, engine_floor_s=floor,
+                       overhead_s=row["median_s"] - floor, copy_s=copy, wait_s=wait if mode != "whole-step" else None,
+                       runner_load_s=statistics.median(r["load_s"] for r in samples),
+                       runner_save_s=statistics.median(r["save_s"] for r in result["phases"]["cold"]),
+                       hidden_share=(1 - wait / copy if copy > 0 else None) if mode != "whole-step" else 0.0,
+                       segments_per_chunk=chunk_blocks * sum(c["load_segments"] for c in counters)
+                       / max(1, sum(c["loaded_blocks"] for c in counters)),
+                       layout_granted=result["kv_cache"]["layout"], registered=result["connector"]["default"]["layout"],
+                       **same_outputs(plain, result, "cold", phase))
+            rows.append(row)
+    return rows
+
+
+def layout_verdict(rows: list[dict]) -> str:
+    """Which hand-over wins inside the engine and by how much, from rows of
+    :func:`layouts_in_the_engine`: per mode and tier, each one's overhead over vLLM's
+    own prefix hit, their copy times, and for layerwise modes the share of the copying
+    hidden behind compute."""
+    by = {(r["layout"], r["mode"], r["tier"]): r for r in rows if r.get("hand_over")}
+    lines = []
+    for mode in CONNECTOR_MODES:
+        for tier in ("memory", "Redis"):
+            per, cross = by.get(("LBHNC", mode, tier)), by.get(("BLHNC", mode, tier))
+            if per is None or cross is None:
+                continue
+            faster = "cross-layer" if cross["overhead_s"] < per["overhead_s"] else "per-layer"
+            line = (f"{mode}, {tier}: overhead over the prefix hit {1e3 * per['overhead_s']:.1f} ms per-layer, "
+                    f"{1e3 * cross['overhead_s']:.1f} ms cross-layer ({faster} lower by "
+                    f"{1e3 * abs(per['overhead_s'] - cross['overhead_s']):.1f} ms); copy {1e3 * per['copy_s']:.1f} "
+                    f"vs {1e3 * cross['copy_s']:.1f} ms in {per['segments_per_chunk']:.0f} vs "
+                    f"{cross['segments_per_chunk']:.0f} segments per chunk")
+            if mode != "whole-step":
+                line += (f"; hidden behind compute {100 * per['hidden_share']:.0f}% per-layer, "
+                         f"{100 * cross['hidden_share']:.0f}% cross-layer")
+            lines.append(line)
+    return "\n".join(lines)
+
+
+BACKEND_VARIANTS = {"plain CPU_ATTN": {"kvlab_backend": False}, "kvlab backend, LBHNC": {},
+                    "kvlab backend, BLHNC": {"kv_cache_layout": "BLHNC"}}
+
+
+def backend_throughput(model: str, prompts: list[list[int]], dtype: str = "bfloat16", block_size: int = 32,
+                       repeats: int = 3, decode_tokens: int = 64) -> list[dict]:
+    """Prefill and decode throughput of vLLM's CPU engine with plain CPU_ATTN (kvlab's plugin
+    off), kvlab's backend on LBHNC and on BLHNC (no connector): prefill = prompt tokens over
+    the time to the first token, decode = ``decode_tokens`` over the time of a request whose
+    prompt is the first 32 tokens, medians over ``repeats`` of every prompt; each engine in
+    its own process on the same threads, prefix caching off. Ratios against plain CPU_ATTN."""
+    check_inputs(model, prompts)
+    short = [p[:32] for p in prompts]
+    rows = []
+    for name, options in progress(BACKEND_VARIANTS.items(), desc="backends", unit="backend"):
+        common = {"model": model, "dtype": dtype, "block_size": block_size, "phases": ("cold",) * repeats, **options}
+        prefill = run_engine(EngineSpec(**common, max_tokens=1), prompts)
+        decode = run_engine(EngineSpec(**common, max_tokens=decode_tokens), short)
+        rows.append({"backend": name, "model": Path(model).name, "dtype": dtype, "layout": prefill["kv_cache"]["layout"],
+                     "prompt_tokens": statistics.median(len(p) for p in prompts), "decode_tokens": decode_tokens,
+                     "prefill_tok_s": statistics.median(r["prompt_tokens"] / r["seconds"] for r in prefill["phases"]["cold"]),
+                     "decode_tok_s": statistics.median(len(r["token_ids"]) / r["seconds"] for r in decode["phases"]["cold"])})
+    plain = rows[0]
+    return [{**r, "prefill_ratio": r["prefill_tok_s"] / plain["prefill_tok_s"],
+             "decode_ratio": r["decode_tok_s"] / plain["decode_tok_s"]} for r in rows]

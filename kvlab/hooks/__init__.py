@@ -9,6 +9,7 @@ from kvlab.hooks.calls import (
     ActiveConnector,
     connector_active,
     current_connector,
+    driven_by_hooks,
     layer_metadata,
     maybe_save_kv_layer_to_connector,
     wait_for_kv_layer_from_connector,
@@ -18,7 +19,7 @@ from kvlab.hooks.stack import TinyAttentionMetadata, TinyAttentionStack, layer_p
 from kvlab.hooks.trace import LayerTrace, TraceEvent, traced
 
 __all__ = [
-    "ActiveConnector", "connector_active", "current_connector", "layer_metadata",
+    "ActiveConnector", "connector_active", "current_connector", "driven_by_hooks", "layer_metadata",
     "wait_for_kv_layer_from_connector", "maybe_save_kv_layer_to_connector", "TraceEvent", "LayerTrace", "traced",
     "TinyAttentionMetadata", "layer_parts", "TinyAttentionStack", "OffloadPlan", "LayerwiseOffloader",
 ]

@@ -8,8 +8,10 @@ hooks here take either. vLLM is consulted only once something has imported it.""
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +39,25 @@ class ActiveConnector:
 _ACTIVE_CONNECTOR: contextvars.ContextVar[ActiveConnector | None] = contextvars.ContextVar(
     "kvlab_active_connector", default=None
 )
+
+
+_DRIVEN: contextvars.ContextVar[Any] = contextvars.ContextVar("kvlab_driven_connector", default=None)
+
+
+@contextlib.contextmanager
+def _driving(connector: Any) -> Iterator[None]:
+    token = _DRIVEN.set(connector)
+    try:
+        yield
+    finally:
+        _DRIVEN.reset(token)
+
+
+def driven_by_hooks(connector: Any) -> bool:
+    """Whether ``connector`` is being called from one of the hooks right now: a connector
+    that the hooks drive (vllm-ascend's way) can ignore the same calls made by vLLM's own
+    attention wrapper, so that each layer is loaded and saved once."""
+    return _DRIVEN.get() is connector
 
 
 def connector_active(connector: Any, attn_metadata: Any = None) -> ActiveConnector:
@@ -97,7 +118,7 @@ def wait_for_kv_layer_from_connector(layer_name: str) -> None:
     active = current_connector()
     if active is None:
         return
-    with traced(layer_name, "load_wait"):
+    with traced(layer_name, "load_wait"), _driving(active.connector):
         active.connector.wait_for_layer_load(layer_name)
 
 
@@ -108,5 +129,5 @@ def maybe_save_kv_layer_to_connector(layer_name: str, kv_cache_layer: Any) -> No
     if active is None:
         return
     metadata = layer_metadata(active.attn_metadata, layer_name)
-    with traced(layer_name, "save"):
+    with traced(layer_name, "save"), _driving(active.connector):
         active.connector.save_kv_layer(layer_name, kv_cache_layer, metadata)

@@ -15,6 +15,7 @@ from kvlab.plotting.atlas import (
 from kvlab.plotting.common import human_bytes, save_figure
 from kvlab.plotting.connector import (
     deployed_figure,
+    engine_layouts_figure,
     hooks_timeline,
     network_tier_figure,
     registration_figure,
@@ -33,5 +34,5 @@ __all__ = [
     "human_bytes", "save_figure", "COLOUR_BY", "miniature", "draw_memory_map", "memory_map", "segment_scaling",
     "segments_by_layout", "atlas", "transfer_ratios", "bandwidth_vs_tokens", "cost_model_figure",
     "break_even_figure", "layerwise_figure", "hardware_figure", "hooks_timeline", "ttft_figure",
-    "registration_figure", "deployed_figure", "network_tier_figure", "roundtrip_figure", "accuracy_figure", "comparison_figure",
+    "registration_figure", "engine_layouts_figure", "deployed_figure", "network_tier_figure", "roundtrip_figure", "accuracy_figure", "comparison_figure",
 ]

@@ -76,6 +76,8 @@ class EngineSpec:
     reloads: tuple[dict[str, str], ...] = ()  # weights loaded by the "reload-<i>" phases
     num_gpu_blocks: int | None = None  # a small KV cache (vLLM's num_gpu_blocks_override): preemptions
     max_num_seqs: int | None = None
+    kv_cache_layout: str | None = None  # VLLM_KV_CACHE_LAYOUT: one of vLLM's KVCacheLayout names
+    kvlab_backend: bool = True  # False: VLLM_PLUGINS="" keeps kvlab's CPU attention backend out (plain CPU_ATTN)
 
     def environment(self) -> dict[str, str]:
         """What the engine process needs on top of the pinned threads: vLLM's default
@@ -90,6 +92,10 @@ class EngineSpec:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(rank) for rank in range(self.tensor_parallel_size))
         if self.batch_invariant:
             env["VLLM_BATCH_INVARIANT"] = "1"
+        if self.kv_cache_layout:
+            env["VLLM_KV_CACHE_LAYOUT"] = self.kv_cache_layout
+        if not self.kvlab_backend:
+            env["VLLM_PLUGINS"] = ""
         return env
 
 
@@ -249,14 +255,15 @@ def _child(job_path: str, out_path: str) -> None:
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], params(None), use_tqdm=False)  # warm-up, no shared prefix
     llm.collective_rpc(worker_calls.read_clock)
     result: dict[str, Any] = {"phases": {}}
+    counted: dict[str, float] = {}  # KVLabConnector's counters so far (each row gets its own share)
     for phase, indices in _schedule(spec.phases, len(job["prompts"]), spec.batch):
         if phase.startswith("reload-") and phase not in result["phases"]:
             reload = spec.reloads[int(phase.split("-")[1])]
             llm.collective_rpc(worker_calls.reload_weights, args=(reload["weights"], reload["how"]))
             if reload.get("reset", "none") != "none":
-                llm.reset_prefix_cache(reset_connector=reload["reset"] == "connector")
+                _reset(llm, params(None), reset_connector=reload["reset"] == "connector")
         if phase == "warm-disk":  # the connector forgets its memory tiers; what it wrote through stays
-            llm.reset_prefix_cache(reset_connector=True)
+            _reset(llm, params(None), reset_connector=True)
         if phase in DAMAGE_PHASES:
             llm.collective_rpc(worker_calls.damage_memory, args=(DAMAGE_PHASES[phase],))
         if phase == "warm-redis-down":
@@ -264,7 +271,7 @@ def _child(job_path: str, out_path: str) -> None:
 
             shut_down(spec.extra["redis_url"])
         if phase.startswith("warm") and spec.prefix_caching:
-            llm.reset_prefix_cache()  # vLLM's own copy goes; the connector's store stays
+            _reset(llm, params(None))  # vLLM's own copy goes; the connector's store stays
         start = time.perf_counter()
         requests = [{"prompt_token_ids": job["prompts"][i], **({"cache_salt": salts[i]} if salts[i] else {})}
                     for i in indices]
@@ -275,6 +282,11 @@ def _child(job_path: str, out_path: str) -> None:
             llm.collective_rpc(worker_calls.undo_damage)
         spent = llm.collective_rpc(worker_calls.read_clock)[0]
         spent["worker_rss_mib"] = llm.collective_rpc(worker_calls.resident_mib)[0]
+        if spec.connector == "kvlab":
+            ours = llm.collective_rpc(worker_calls.connector_stats)[0].get(spec.extra.get("store_name", "default"), {})
+            now = {k: v for k, v in ours.items() if isinstance(v, (int, float))}
+            spent["kvlab"] = {k: v - counted.get(k, 0) for k, v in now.items()}
+            counted = now
         for index, output in zip(indices, outputs):
             completion = output.outputs[0]
             result["phases"].setdefault(phase, []).append({
@@ -283,10 +295,24 @@ def _child(job_path: str, out_path: str) -> None:
                 "token_ids": list(completion.token_ids),
                 "logprobs": [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)],
             })
+    result["kv_cache"] = llm.collective_rpc(worker_calls.kv_cache_layout)[0]
     if spec.connector == "kvlab":
         result["ranks"] = llm.collective_rpc(worker_calls.connector_stats)
         result["connector"] = result["ranks"][0]
     Path(out_path).write_text(json.dumps(result))
+
+
+def _reset(llm: Any, params: Any, reset_connector: bool = False, attempts: int = 200) -> None:
+    """Empty vLLM's prefix cache (and the connector's memory tiers). vLLM refuses while a
+    block is held, as a connector holds a finished request's blocks until its asynchronous
+    saves are done: a one-token request lets the engine step (and the connector report them)
+    before the next try. A refusal left standing would serve the "warm" run from vLLM's own
+    cache, not the connector."""
+    for _ in range(attempts):
+        if llm.reset_prefix_cache(reset_connector=reset_connector):
+            return
+        llm.generate([{"prompt_token_ids": [1]}], params, use_tqdm=False)
+    raise RuntimeError(f"vLLM kept refusing to empty its prefix cache ({attempts} tries): blocks stay held")
 
 
 def _lora_options(spec: EngineSpec) -> dict[str, Any]:

@@ -56,7 +56,14 @@ class RedisServer(ManagedServer):
     @property
     def url(self) -> str:
         """Its address, naming the password file (kvlab.store.secrets), once started."""
-        return f"redis://{HOST}:{self.port}/0?{PASSWORD_FILE}={quote(str(self.secret_dir / 'password'))}"
+        return self.database(0)
+
+    def database(self, index: int) -> str:
+        """The address of one of its 16 databases: engines that must not see each other's
+        chunks (other layouts, so other chunk formats) each get their own."""
+        if not 0 <= index < 16:
+            raise ValueError(f"Redis has databases 0 to 15, not {index}")
+        return f"redis://{HOST}:{self.port}/{index}?{PASSWORD_FILE}={quote(str(self.secret_dir / 'password'))}"
 
     def command(self) -> list[str]:
         executable = self.executable or shutil.which("redis-server")

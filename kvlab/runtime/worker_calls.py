@@ -59,6 +59,15 @@ def read_clock(worker: Any) -> dict[str, float]:
     return _CLOCK.read() if _CLOCK is not None else {"load_s": 0.0, "save_s": 0.0}
 
 
+def kv_cache_layout(worker: Any) -> dict[str, str | None]:
+    """The KV cache layout vLLM resolved and the attention backend class that reads it."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    backend = AttentionBackendEnum.CPU_ATTN.get_class()
+    return {"layout": worker.vllm_config.cache_config.kv_cache_layout,
+            "cpu_attention": f"{backend.__module__}.{backend.__qualname__}"}
+
+
 def connector_stats(worker: Any) -> dict:
     from kvlab.connector.stores import all_stats
 

@@ -5,6 +5,7 @@ while later layers are still on their way (what a layerwise connector's
 from __future__ import annotations
 
 import threading
+import time
 from typing import Sequence
 
 from kvlab.cache.allocation import KVCache
@@ -47,16 +48,19 @@ class LayerwiseLoad:
         self._done = [threading.Event() for _ in self.transfers]
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self.work_seconds = 0.0  # issuing (on a CPU: doing) every copy
 
     def start(self) -> LayerwiseLoad:
         for done in self._done:
             done.clear()
 
         def issue() -> None:
+            start = time.perf_counter()
             try:
                 for layer, done in zip(self.transfers, self._done):
                     for transfer in layer:
                         transfer.run()
+                    self.work_seconds = time.perf_counter() - start
                     done.set()
             except BaseException as error:  # surfaced by wait()
                 self._error = error

@@ -105,9 +105,10 @@ def test_cross_layer_views_are_recognised_as_block_major(tmp_path, caplog: pytes
     _, worker = connectors(GQA, {"enable_cross_layers_blocks": True, "store": "disk", "disk_path": str(tmp_path)})
     with caplog.at_level(logging.INFO, logger="kvlab.connector"):
         register(worker, "vllm>=0.29 BLHNC", GQA, NUM_BLOCKS)
-    assert worker.cache.layout.name == "BLHNC" and worker.cache.layout.is_cross_layer
+    # on vLLM's CPU build the same views are named for CPU_ATTN's packed pages (byte for byte the same runs)
+    assert worker.cache.layout.name == "CPU_BLHNC" and worker.cache.layout.is_cross_layer
     assert registration_lines(caplog) == [
-        f"KVLabConnector: rank 0 of 1 registered a BLHNC cache of {NUM_BLOCKS} blocks of {BS} tokens (one segment "
+        f"KVLabConnector: rank 0 of 1 registered a CPU_BLHNC cache of {NUM_BLOCKS} blocks of {BS} tokens (one segment "
         "per block); tiers ['memory', 'disk']; cross-layer blocks asked for and granted"]
     _, worker = connectors(GQA)
     register(worker, "vllm0.12 flash NHD cross", GQA, NUM_BLOCKS)
@@ -249,8 +250,9 @@ def test_defaults() -> None:
 
 def test_cross_layer_request_on_cpu_falls_back_and_the_registration_line_says_why(
         caplog: pytest.LogCaptureFixture) -> None:
-    """One INFO line per worker: the layout, the tiers, what became of the cross-layer request."""
-    assert KVLabConnector.get_required_kvcache_layout(stand_in_config(GQA, {"enable_cross_layers_blocks": True})) is None
+    """One INFO line per worker: the layout, the tiers, what became of the cross-layer request
+    (here: this process never loaded kvlab's backend plugin, so vLLM keeps CPU_ATTN's LBHNC)."""
+    assert KVLabConnector.get_required_kvcache_layout(stand_in_config(GQA, {"enable_cross_layers_blocks": True})) == "BLHNC"
     assert KVLabConnector.get_required_kvcache_layout(stand_in_config(GQA, {})) is None
     scheduler, worker = connectors(GQA, {"enable_cross_layers_blocks": True})
     assert worker.prefer_cross_layer_blocks  # what vLLM 0.12-0.28 reads
@@ -258,7 +260,9 @@ def test_cross_layer_request_on_cpu_falls_back_and_the_registration_line_says_wh
         register(worker, "vllm>=0.29 CPU_LBHNC", GQA, NUM_BLOCKS)  # what vLLM's CPU engine hands over
     assert registration_lines(caplog) == [
         f"KVLabConnector: rank 0 of 1 registered a CPU_LBHNC cache of {NUM_BLOCKS} blocks of {BS} tokens (per-layer "
-        "segments); tiers ['memory']; cross-layer blocks asked for, not granted (CPU_ATTN supports LBHNC only)"]
+        "segments); tiers ['memory']; cross-layer blocks asked for, given per-layer CPU_LBHNC: vLLM's CPU_ATTN "
+        "declares LBHNC only and kvlab's attention backend is not loaded: VLLM_PLUGINS leaves out 'kvlab', or kvlab is "
+        "not installed in this environment"]
     caplog.clear()
     _, worker = connectors(GQA)
     with caplog.at_level(logging.INFO, logger="kvlab.connector"):

@@ -1,6 +1,7 @@
 """KVLabConnector inside vLLM's CPU engine with a real trained model (SmolLM2-135M, fp32):
 the second run of a prompt is served from the connector and changes nothing, in vLLM's
-default process layout (scheduler and worker in different processes) and in one process;
+default process layout (scheduler and worker in different processes; one process, layerwise
+and the hooks, per-layer and cross-layer: test_backend_engine.py);
 other engines in other processes hit through shared memory and through a real Redis
 server; tensor-parallel ranks each keep their own shard, and a load that fails its check
 is recomputed with the same tokens (damaged entries, full and read-only disks:
@@ -24,18 +25,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.extended]
 # prefill split as the connector's hit splits it) is the control the connector's "warm" phase
 # must equal bitwise; "warm" empties vLLM's cache first, so only the connector can hit.
 CONTROLLED = ("cold", "control", "warm")
-
-
-def test_layerwise_in_one_process_serves_the_second_run_identically(smollm2, prompts) -> None:
-    spec = EngineSpec(smollm2, "kvlab", {"layerwise": True, "chunk_size": 64}, dtype="float32", max_tokens=8,
-                      prefix_caching=True, phases=CONTROLLED)
-    result = run_engine(spec, prompts)
-    assert hits(result, "cold") == [0, 0]
-    assert hits(result, "warm") == hits(result, "control") == loadable(prompts)
-    assert bitwise(result, result, "control", "warm") and within_split_drift(result, result, "cold", "warm")
-    stats = result["connector"]["default"]
-    assert stats["loaded_blocks"] == sum(hit // 32 for hit in loadable(prompts))
-    assert stats["layout"] == "CPU_LBHNC" and stats["load_errors"] == 0
 
 
 def test_vllms_default_processes_serve_repeats_and_other_engines_hit(smollm2, prompts, tmp_path: Path,
