@@ -130,6 +130,7 @@ class WorkerSide:
         self._load_failed: set[str] = set()  # reported to the scheduler
         self._missed: set[tuple[str, str]] = set()
         self._layer_saves: list[LayerSave] | None = None  # this step's saves, copied layer by layer
+        self._layer_saves_of: KVLabMetadata | None = None  # the step they belong to
 
     # ---- registration ------------------------------------------------------------------
     def register(self, cache: KVCache) -> None:
@@ -294,8 +295,9 @@ class WorkerSide:
         start = time.perf_counter()
         if meta.reset_memory or meta.drops:  # in order with the saves queued before them
             self._run(None, functools.partial(self._drop, list(meta.drops), meta.reset_memory))
-        layer_saves = {id(s.spec): s for s in self._layer_saves or () if s.complete(len(self._layer_index))}
-        self._layer_saves = None
+        layer_saves = {id(s.spec): s for s in self._layer_saves or ()
+                       if self._layer_saves_of is meta and s.complete(len(self._layer_index))}
+        self._layer_saves, self._layer_saves_of = None, None
         for spec in reversed(meta.saves):  # tail first: a full tier drops a prompt's tail, not its head
             wrong = spec.req_id in self._tainted or not failed_blocks.isdisjoint(spec.block_ids)
             copied = layer_saves.get(id(spec))
@@ -313,8 +315,9 @@ class WorkerSide:
         if _first(kv_layer).data_ptr() != _first(self.cache.layers[layer_name]).data_ptr():
             raise ValueError(f"KVLabConnector: save_kv_layer({layer_name!r}) was given KV that is not that layer "
                              f"of the registered {self.cache.layout.name} cache")
-        if self._layer_saves is None:
+        if self._layer_saves is None or self._layer_saves_of is not meta:  # the step's first layer
             self._layer_saves = [self._layer_save(spec) for spec in meta.saves if spec.req_id not in self._tainted]
+            self._layer_saves_of = meta
         index = self._layer_index[layer_name]
         for save in self._layer_saves:
             if save.error is None and index not in save.queued:

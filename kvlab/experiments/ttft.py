@@ -196,13 +196,15 @@ def layouts_in_the_engine(model: str, prompts: list[list[int]], redis: Any, dtyp
     check_inputs(model, prompts)
     common = {"model": model, "dtype": dtype, "block_size": block_size, "prefix_caching": True,
               "multiprocessing": True}
-    paired = tuple(p for _ in range(repeats) for phase in ("warm", "warm-disk") for p in (phase, "floor"))
+    # the floor right after the memory hit: after a Redis hit the loaded chunks are being saved to
+    # memory (beside the next request on 2 cores); the next "warm" waits for them (its reset does)
+    paired = ("warm", "floor", "warm-disk") * repeats
     chunk_blocks = (chunk_size or 256) // block_size
     plans = [(None, None, EngineSpec(**common, phases=("cold",) + ("floor",) * repeats))]
     for layout in layouts:
         for mode in modes:
             extra = {"tiers": ["memory", "redis"], "redis_url": redis.database(len(plans)), "enable_cross_layers_blocks": layout == "BLHNC",
-                     "store_name": f"{layout}-{mode}", **CONNECTOR_MODES[mode], **({"chunk_size": chunk_size} if chunk_size else {})}
+                     **CONNECTOR_MODES[mode], **({"chunk_size": chunk_size} if chunk_size else {})}
             plans.append((layout, mode, EngineSpec(**common, connector="kvlab", extra=extra, phases=("cold", *paired))))
     rows, plain = [], None
     for layout, mode, spec in progress(plans, desc="engines", unit="engine"):

@@ -18,12 +18,14 @@ if TYPE_CHECKING:
     from kvlab.transfer.engine import Transfer
 
 
-def block_rows(cache: KVCache, per_layer: bool = True) -> list[tuple[int | None, torch.Tensor]]:
+def block_rows(cache: KVCache, per_layer: bool = True, inner_layers: bool = False) -> list[tuple[int | None, torch.Tensor]]:
     """Each backing tensor as (layer, [outer, block, inner] view) pairs. With ``per_layer``
     and the layer axis outside the block axis, one pair per layer (an indexed copy then
-    moves one layer's blocks); else one pair for the whole tensor (layer None unless the
-    tensor is a single layer's). Cut once per cache and reused."""
-    key = ("block_rows", per_layer)
+    moves one layer's blocks); with ``inner_layers`` too when it is inside the block axis
+    and each layer's part of a block is one run (BLHNC: a layer-by-layer copy then indexes
+    those runs directly, not strided element views); else one pair for the whole tensor
+    (layer None unless the tensor is a single layer's). Cut once per cache and reused."""
+    key = ("block_rows", per_layer, inner_layers)
     if key in cache.views:
         return cache.views[key]
     out = []
@@ -31,6 +33,11 @@ def block_rows(cache: KVCache, per_layer: bool = True) -> list[tuple[int | None,
         shaped = tensor.view(alloc.sizes)
         axes, k = alloc.axes, alloc.axes.index("B")
         inner = math.prod(alloc.sizes[k + 1:])
+        if per_layer and inner_layers and "L" in axes[k + 1:]:
+            rows = _inner_layer_rows(shaped, axes.index("L"), k, cache.num_blocks)
+            if rows:
+                out += rows
+                continue
         if per_layer and "L" in axes[:k]:
             li = axes.index("L")
             for layer in range(alloc.sizes[li]):
@@ -44,6 +51,19 @@ def block_rows(cache: KVCache, per_layer: bool = True) -> list[tuple[int | None,
             out.append((alloc.index.get("L"), shaped.view(math.prod(alloc.sizes[:k]), cache.num_blocks, inner)))
     cache.views[key] = out
     return out
+
+
+def _inner_layer_rows(shaped: torch.Tensor, li: int, k: int, num_blocks: int) -> list[tuple[int, torch.Tensor]]:
+    """(layer, [outer, block, inner] view) per layer of a tensor whose layer axis ``li`` is
+    inside its block axis ``k``; empty when a layer's part of a block is not one run."""
+    rows = []
+    for layer in range(shaped.shape[li]):
+        sub = shaped.select(li, layer)
+        try:  # view, never flatten: flatten copies what it cannot view, and a copy is written in vain
+            rows.append((layer, sub.view(-1, num_blocks, math.prod(sub.shape[k + 1:]))))
+        except RuntimeError:  # heads outside the layer axis (BHLNC): several runs per block
+            return []
+    return rows
 
 
 def part_tensors(cache: KVCache, layers: Sequence[int]) -> list[list[torch.Tensor]]:
@@ -67,8 +87,8 @@ def index_pairs(t: Transfer, src: KVCache, dst: KVCache, gather: bool) -> list[t
     layer's slice); scattering into a cache goes one index_copy_ per backing tensor over
     all its layers (measured faster on CPUs than one per layer)."""
     if src.layout.name == dst.layout.name:
-        per_layer = gather or t.layers is not None
-        rows = list(zip(block_rows(src, per_layer), block_rows(dst, per_layer)))
+        per_layer, inner = gather or t.layers is not None, t.layers is not None
+        rows = list(zip(block_rows(src, per_layer, inner), block_rows(dst, per_layer, inner)))
         if t.layers is None:
             return [(s, d, 1) for (_, s), (_, d) in rows]
         if all(layer is not None for (layer, _), _ in rows):  # each layer has its own rows

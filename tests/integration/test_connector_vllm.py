@@ -100,13 +100,16 @@ def mla_control(tmp_path_factory) -> dict:
 def test_every_seed_architecture_through_the_connector(name, layerwise, tmp_path: Path, request) -> None:
     """The seeds' other architectures (Llama: above), as seeded random miniatures with each
     one's real KV geometry: Qwen2, Qwen3-MoE, and DeepSeek-V2 with MLA on vLLM's CPU_MLA
-    backend (block size 16). Every warm run, from memory and (MLA) from disk in the same
+    backend (block size 16), all asking for cross-layer blocks as the seed does: the K/V ones
+    get vLLM's block-major buffer (kvlab's backend; layerwise through the Ascend-style hooks),
+    MLA stays layer-major. Every warm run, from memory and (MLA) from disk in the same
     process, hits every loadable block and is bitwise its same-split control: vLLM's own
     prefix hit, or for MLA (no prefix caching for MLA on CPU) vLLM's ExampleConnector; and
     within the split's drift of the cold run."""
     mla = name == "mini-deepseek-v2"
     block_size = 16 if mla else 32
-    extra = {"layerwise": layerwise, "chunk_size": 64, "store": "disk", "disk_path": str(tmp_path / "kv")}
+    extra = {"layerwise": layerwise, "hooks": layerwise and not mla, "enable_cross_layers_blocks": True,
+             "chunk_size": 64, "store": "disk", "disk_path": str(tmp_path / "kv")}
     spec = EngineSpec(str(model_path(prepared(name))), "kvlab", extra, dtype="float32", block_size=block_size,
                       max_tokens=8, phases=("cold", "warm", "warm-disk") if mla else CONTROLLED,
                       prefix_caching=not mla, attention_backend="CPU_MLA" if mla else None)
@@ -118,6 +121,6 @@ def test_every_seed_architecture_through_the_connector(name, layerwise, tmp_path
         assert within_split_drift(result, result, "cold", phase), phase
     stats = result["connector"]["default"]
     assert stats["load_errors"] == 0 and stats["save_errors"] == 0
-    assert stats["layout"] == ("mla_v0.29" if mla else "CPU_LBHNC"), "named for what vLLM handed over"
+    assert stats["layout"] == ("mla_v0.29" if mla else "CPU_BLHNC"), "named for what vLLM handed over"
     if mla:
         assert stats["store"]["disk_reads"] > 0
