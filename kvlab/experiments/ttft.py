@@ -267,23 +267,36 @@ BACKEND_VARIANTS = {"plain CPU_ATTN": {"kvlab_backend": False}, "kvlab backend, 
 
 
 def backend_throughput(model: str, prompts: list[list[int]], dtype: str = "bfloat16", block_size: int = 32,
-                       repeats: int = 3, decode_tokens: int = 64) -> list[dict]:
+                       rounds: int = 3, decode_tokens: int = 64) -> list[dict]:
     """Prefill and decode throughput of vLLM's CPU engine with plain CPU_ATTN (kvlab's plugin
     off), kvlab's backend on LBHNC and on BLHNC (no connector): prefill = prompt tokens over
     the time to the first token, decode = ``decode_tokens`` over the time of a request whose
-    prompt is the first 32 tokens, medians over ``repeats`` of every prompt; each engine in
-    its own process on the same threads, prefix caching off. Ratios against plain CPU_ATTN."""
+    prompt is the first 32 tokens, medians over the prompts; each engine in its own process
+    on the same threads, prefix caching off. Engines differ by several percent from one start
+    to the next on a small machine, so the variants run interleaved, ``rounds`` times, and
+    each ratio against plain CPU_ATTN is taken within a round; one row per variant: the
+    medians over the rounds."""
     check_inputs(model, prompts)
     short = [p[:32] for p in prompts]
-    rows = []
-    for name, options in progress(BACKEND_VARIANTS.items(), desc="backends", unit="backend"):
-        common = {"model": model, "dtype": dtype, "block_size": block_size, "phases": ("cold",) * repeats, **options}
+    measured: dict[str, list[dict]] = {name: [] for name in BACKEND_VARIANTS}
+    plan = [(r, name) for r in range(rounds) for name in BACKEND_VARIANTS]
+    for _, name in progress(plan, desc="backend engines", unit="pair"):
+        common = {"model": model, "dtype": dtype, "block_size": block_size, "phases": ("cold",), **BACKEND_VARIANTS[name]}
         prefill = run_engine(EngineSpec(**common, max_tokens=1), prompts)
         decode = run_engine(EngineSpec(**common, max_tokens=decode_tokens), short)
-        rows.append({"backend": name, "model": Path(model).name, "dtype": dtype, "layout": prefill["kv_cache"]["layout"],
+        measured[name].append({
+            "layout": prefill["kv_cache"]["layout"],
+            "prefill_tok_s": statistics.median(r["prompt_tokens"] / r["seconds"] for r in prefill["phases"]["cold"]),
+            "decode_tok_s": statistics.median(len(r["token_ids"]) / r["seconds"] for r in decode["phases"]["cold"])})
+    plain = measured[next(iter(BACKEND_VARIANTS))]
+    rows = []
+    for name, runs in measured.items():
+        ratios = {key: [run[key] / base[key] for run, base in zip(runs, plain)] for key in ("prefill_tok_s", "decode_tok_s")}
+        rows.append({"backend": name, "model": Path(model).name, "dtype": dtype, "layout": runs[0]["layout"],
                      "prompt_tokens": statistics.median(len(p) for p in prompts), "decode_tokens": decode_tokens,
-                     "prefill_tok_s": statistics.median(r["prompt_tokens"] / r["seconds"] for r in prefill["phases"]["cold"]),
-                     "decode_tok_s": statistics.median(len(r["token_ids"]) / r["seconds"] for r in decode["phases"]["cold"])})
-    plain = rows[0]
-    return [{**r, "prefill_ratio": r["prefill_tok_s"] / plain["prefill_tok_s"],
-             "decode_ratio": r["decode_tok_s"] / plain["decode_tok_s"]} for r in rows]
+                     "rounds": rounds, **{key: statistics.median(run[key] for run in runs) for key in ratios},
+                     "prefill_ratio": statistics.median(ratios["prefill_tok_s"]),
+                     "decode_ratio": statistics.median(ratios["decode_tok_s"]),
+                     "prefill_ratio_range": [min(ratios["prefill_tok_s"]), max(ratios["prefill_tok_s"])],
+                     "decode_ratio_range": [min(ratios["decode_tok_s"]), max(ratios["decode_tok_s"])]})
+    return rows
