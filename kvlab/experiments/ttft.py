@@ -242,7 +242,7 @@ def layout_verdict(rows: list[dict]) -> str:
     :func:`layouts_in_the_engine`: per mode and tier, each one's overhead over vLLM's
     own prefix hit, their copy times, and for layerwise modes the share of the copying
     hidden behind compute."""
-    by = {(r["layout"], r["mode"], r["tier"]): r for r in rows if r.get("hand_over")}
+    by = {(r["layout"], r["mode"], r["tier"]): r for r in rows if isinstance(r.get("hand_over"), str)}
     lines = []
     for mode in CONNECTOR_MODES:
         for tier in ("memory", "Redis"):

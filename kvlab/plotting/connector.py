@@ -149,7 +149,7 @@ def engine_layouts_figure(rows: Sequence[dict], title: str = "", width: str | fl
     kvlab.experiments.ttft.layouts_in_the_engine: each variant's time-to-first-token overhead
     over vLLM's own prefix hit (left) and, per load, the copying against the part of it the
     model runner waited for (right; layerwise hides the rest behind compute)."""
-    rows = [r for r in rows if r.get("hand_over")]
+    rows = [r for r in rows if isinstance(r.get("hand_over"), str)]  # KVLab's rows (a table's NaN is not one)
     fig, axes = panels(2, width, 0.9 + 0.3 * max(len(rows), 1), sharey=True, min_panel_width=3)
     colours = [CROSS_LAYER if r["hand_over"] == "cross-layer" else PER_LAYER for r in rows]
     hatches = ["//" if r["tier"] == "Redis" else "" for r in rows]
@@ -158,14 +158,14 @@ def engine_layouts_figure(rows: Sequence[dict], title: str = "", width: str | fl
     for i, v in enumerate(overheads):
         axes[0].text(max(v, 0), i, f" {v:.0f}", va="center", fontsize=SMALL)
     axes[0].axvline(0, color="black", lw=0.8)
-    axes[0].set_xlabel("TTFT over vLLM's prefix hit (ms)")
+    axes[0].set_xlabel("TTFT over the prefix hit (ms)")
     copies = [1e3 * r["copy_s"] for r in rows]
-    waited = [1e3 * (r["copy_s"] if r["wait_s"] is None else r["wait_s"]) for r in rows]
+    waited = [1e3 * (r["copy_s"] if r["mode"] == "whole-step" else r["wait_s"]) for r in rows]  # whole-step waits for all
     axes[1].barh(range(len(rows)), copies, 0.7, color="white", edgecolor=[*colours], hatch=hatches)
     axes[1].barh(range(len(rows)), waited, 0.7, color=colours, hatch=hatches, edgecolor="white")
     for i, (c, w) in enumerate(zip(copies, waited)):
         axes[1].text(c, i, f" {c:.0f} ({w:.0f} waited)", va="center", fontsize=SMALL)
-    axes[1].set_xlabel("copy time per load (ms); filled: waited for")
+    axes[1].set_xlabel("copying (ms); filled: waited for")
     tier = [matplotlib.patches.Patch(facecolor="white", edgecolor="grey", hatch="//", label="from Redis"),
             matplotlib.patches.Patch(facecolor="grey", label="from memory")]
     fig.legend(handles=[*LAYER_KINDS, *tier], loc="outside lower center", ncols=4)

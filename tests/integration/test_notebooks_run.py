@@ -20,7 +20,7 @@ def test_notebook_runs(path, tmp_path):
     assert list((tmp_path / "figures").glob(f"{path.stem[:2]}_*.png"))
 
 
-@pytest.mark.parametrize("notebook, figures", [("02_transfer_timing", 7), ("03_connector_and_hooks", 5),
+@pytest.mark.parametrize("notebook, figures", [("02_transfer_timing", 7), ("03_connector_and_hooks", 6),
                                                ("04_accuracy", 3)])
 def test_figures_redraw_from_committed_results(tmp_path, notebook, figures):
     """`make figures`: a measuring notebook measures nothing and draws every figure from data/results."""
