@@ -15,7 +15,7 @@ from kvlab.cache import LAYOUTS, Holds, preset, sweep  # noqa: E402
 from kvlab.plotting import common  # noqa: E402
 from kvlab.plotting import (  # noqa: E402
     accuracy_figure, atlas, bandwidth_vs_tokens, break_even_figure, comparison_figure, cost_model_figure,
-    deployed_figure, hardware_figure, hooks_timeline, layerwise_figure, memory_map, miniature, network_tier_figure,
+    deployed_figure, engine_layouts_figure, hardware_figure, hooks_timeline, layerwise_figure, memory_map, miniature, network_tier_figure,
     registration_figure, roundtrip_figure, segment_scaling, segments_by_layout, transfer_ratios,
     ttft_figure,
 )
@@ -89,6 +89,7 @@ FIGURES = {
     "ttft_figure": lambda **kw: ttft_figure(ttft_rows(), "time to first token (cpu: AMD EPYC (2 cores))", **kw),
     "hooks_timeline": lambda **kw: hooks_timeline(committed("03_timeline"), "a prefix loaded layer by layer", **kw),
     "registration_figure": lambda **kw: registration_figure(committed("03_registration"), "save and reload", **kw),
+    "engine_layouts_figure": lambda **kw: engine_layouts_figure(committed("03_engine_layouts"), "in the engine", **kw),
     "deployed_figure": lambda **kw: deployed_figure(committed("03_serving"), "vLLM's default processes", **kw),
     "network_tier_figure": lambda **kw: network_tier_figure(committed("03_network"), "a prefix through Redis", **kw),
     "roundtrip_figure": lambda **kw: roundtrip_figure(committed("04_roundtrip"), **kw),
