@@ -261,9 +261,9 @@ def _child(job_path: str, out_path: str) -> None:
             reload = spec.reloads[int(phase.split("-")[1])]
             llm.collective_rpc(worker_calls.reload_weights, args=(reload["weights"], reload["how"]))
             if reload.get("reset", "none") != "none":
-                _reset(llm, params(None), reset_connector=reload["reset"] == "connector")
+                _reset(llm, reset_connector=reload["reset"] == "connector")
         if phase == "warm-disk":  # the connector forgets its memory tiers; what it wrote through stays
-            _reset(llm, params(None), reset_connector=True)
+            _reset(llm, reset_connector=True)
         if phase in DAMAGE_PHASES:
             llm.collective_rpc(worker_calls.damage_memory, args=(DAMAGE_PHASES[phase],))
         if phase == "warm-redis-down":
@@ -271,7 +271,7 @@ def _child(job_path: str, out_path: str) -> None:
 
             shut_down(spec.extra["redis_url"])
         if phase.startswith("warm") and spec.prefix_caching:
-            _reset(llm, params(None))  # vLLM's own copy goes; the connector's store stays
+            _reset(llm)  # vLLM's own copy goes; the connector's store stays
         start = time.perf_counter()
         requests = [{"prompt_token_ids": job["prompts"][i], **({"cache_salt": salts[i]} if salts[i] else {})}
                     for i in indices]
@@ -302,16 +302,17 @@ def _child(job_path: str, out_path: str) -> None:
     Path(out_path).write_text(json.dumps(result))
 
 
-def _reset(llm: Any, params: Any, reset_connector: bool = False, attempts: int = 200) -> None:
+def _reset(llm: Any, reset_connector: bool = False, attempts: int = 200) -> None:
     """Empty vLLM's prefix cache (and the connector's memory tiers). vLLM refuses while a
     block is held, as a connector holds a finished request's blocks until its asynchronous
-    saves are done: a one-token request lets the engine step (and the connector report them)
-    before the next try. A refusal left standing would serve the "warm" run from vLLM's own
-    cache, not the connector."""
+    saves are done: an engine step with nothing scheduled lets the connector report them
+    before the next try (a request would be held in its turn). A refusal left standing would
+    serve the "warm" run from vLLM's own cache, not the connector."""
     for _ in range(attempts):
         if llm.reset_prefix_cache(reset_connector=reset_connector):
             return
-        llm.generate([{"prompt_token_ids": [1]}], params, use_tqdm=False)
+        llm.llm_engine.step()  # nothing scheduled: the connector reports what it finished
+        time.sleep(0.01)
     raise RuntimeError(f"vLLM kept refusing to empty its prefix cache ({attempts} tries): blocks stay held")
 
 
