@@ -14,7 +14,6 @@ process (engine core, workers) loads it; ``VLLM_PLUGINS`` without ``kvlab`` turn
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -22,8 +21,6 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentio
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvlab.hooks import connector_active, maybe_save_kv_layer_to_connector, wait_for_kv_layer_from_connector
-
-logger = logging.getLogger("kvlab.connector")
 
 READABLE_LAYOUTS = ("LBHNC", "LHBNC", "BLHNC", "BHLNC")  # the default first: vLLM prefers it
 

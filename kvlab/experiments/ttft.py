@@ -188,11 +188,16 @@ def layouts_in_the_engine(model: str, prompts: list[list[int]], redis: Any, dtyp
     its overhead over the floor measured in the same engine, the copy time (``copy_s``:
     the loads' own copying), the model runner's time blocked in the connector's load calls
     (``runner_load_s``) and, layer by layer, waiting for a layer (``wait_s``), the share of
-    the copying hidden behind compute (1 - wait / copy) and the segments per chunk."""
+    the copying hidden behind compute (1 - wait / copy), the segments per chunk, and its
+    outputs against vLLM's own prefix hit in the same engine (``identical``,
+    ``max_logprob_diff``: the same prefill split, so bitwise) and the largest logprob gap to
+    recompute (``gap_vs_recompute``)."""
     unknown = sorted(set(layouts) - set(HAND_OVERS)) + sorted(set(modes) - set(CONNECTOR_MODES))
     if unknown:
         raise ValueError(f"unknown layouts or modes {unknown}; layouts are {list(HAND_OVERS)}, "
                          f"modes {list(CONNECTOR_MODES)}")
+    if not callable(getattr(redis, "database", None)):
+        raise ValueError(f"redis must be a running kvlab.runtime.redis.RedisServer, got {type(redis).__name__}")
     check_inputs(model, prompts)
     common = {"model": model, "dtype": dtype, "block_size": block_size, "prefix_caching": True,
               "multiprocessing": True}
@@ -232,7 +237,10 @@ def layouts_in_the_engine(model: str, prompts: list[list[int]], redis: Any, dtyp
                        segments_per_chunk=chunk_blocks * sum(c["load_segments"] for c in counters)
                        / max(1, sum(c["loaded_blocks"] for c in counters)),
                        layout_granted=result["kv_cache"]["layout"], registered=result["connector"]["default"]["layout"],
-                       **same_outputs(plain, result, "cold", phase))
+                       # bitwise against the same-split control (vLLM's own prefix hit in this engine); against
+                       # recompute only the gap, which another prefill split moves in bf16
+                       **same_outputs(result, result, "floor", phase),
+                       gap_vs_recompute=same_outputs(plain, result, "cold", phase)["max_gap_through_divergence"])
             rows.append(row)
     return rows
 

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from kvlab.cache.layouts import VLLM_V29_LAYOUTS
 from kvlab.runtime import worker_calls
 from kvlab.runtime.configs import kv_transfer_config
 from kvlab.runtime.processes import run_child
@@ -154,6 +155,9 @@ def run_engine(spec: EngineSpec, prompts: list[list[int]], timeout: float = 900,
         value = getattr(spec, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
             raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+    if spec.kv_cache_layout is not None and spec.kv_cache_layout not in (*VLLM_V29_LAYOUTS, "NHD", "HND"):
+        raise ValueError(f"kv_cache_layout must be one of vLLM's {list(VLLM_V29_LAYOUTS)} (or NHD, HND), "
+                         f"got {spec.kv_cache_layout!r}")
     for phase in ("floor", "control"):  # vLLM's own prefix hit
         if phase in spec.phases and not spec.prefix_caching:
             raise ValueError(f"the {phase} phase needs prefix caching on (EngineSpec(prefix_caching=True))")
@@ -255,15 +259,16 @@ def _child(job_path: str, out_path: str) -> None:
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], params(None), use_tqdm=False)  # warm-up, no shared prefix
     llm.collective_rpc(worker_calls.read_clock)
     result: dict[str, Any] = {"phases": {}}
+    in_process = not (spec.multiprocessing or spec.tensor_parallel_size > 1)  # as EngineSpec.environment sets it
     counted: dict[str, float] = {}  # KVLabConnector's counters so far (each row gets its own share)
     for phase, indices in _schedule(spec.phases, len(job["prompts"]), spec.batch):
         if phase.startswith("reload-") and phase not in result["phases"]:
             reload = spec.reloads[int(phase.split("-")[1])]
             llm.collective_rpc(worker_calls.reload_weights, args=(reload["weights"], reload["how"]))
             if reload.get("reset", "none") != "none":
-                _reset(llm, reset_connector=reload["reset"] == "connector")
+                _reset(llm, in_process, reset_connector=reload["reset"] == "connector")
         if phase == "warm-disk":  # the connector forgets its memory tiers; what it wrote through stays
-            _reset(llm, reset_connector=True)
+            _reset(llm, in_process, reset_connector=True)
         if phase in DAMAGE_PHASES:
             llm.collective_rpc(worker_calls.damage_memory, args=(DAMAGE_PHASES[phase],))
         if phase == "warm-redis-down":
@@ -271,7 +276,7 @@ def _child(job_path: str, out_path: str) -> None:
 
             shut_down(spec.extra["redis_url"])
         if phase.startswith("warm") and spec.prefix_caching:
-            _reset(llm)  # vLLM's own copy goes; the connector's store stays
+            _reset(llm, in_process)  # vLLM's own copy goes; the connector's store stays
         start = time.perf_counter()
         requests = [{"prompt_token_ids": job["prompts"][i], **({"cache_salt": salts[i]} if salts[i] else {})}
                     for i in indices]
@@ -302,18 +307,20 @@ def _child(job_path: str, out_path: str) -> None:
     Path(out_path).write_text(json.dumps(result))
 
 
-def _reset(llm: Any, reset_connector: bool = False, attempts: int = 200) -> None:
+def _reset(llm: Any, in_process: bool, reset_connector: bool = False, seconds: float = 60) -> None:
     """Empty vLLM's prefix cache (and the connector's memory tiers). vLLM refuses while a
     block is held, as a connector holds a finished request's blocks until its asynchronous
-    saves are done: an engine step with nothing scheduled lets the connector report them
-    before the next try (a request would be held in its turn). A refusal left standing would
-    serve the "warm" run from vLLM's own cache, not the connector."""
-    for _ in range(attempts):
-        if llm.reset_prefix_cache(reset_connector=reset_connector):
-            return
-        llm.llm_engine.step()  # nothing scheduled: the connector reports what it finished
+    saves are done, and reports them in an engine step: in one process this one steps the
+    engine with nothing scheduled (a request would be held in its turn); an engine core in
+    its own process keeps stepping while it holds requests, so there it waits. A refusal
+    left standing would serve the "warm" run from vLLM's own cache, not the connector."""
+    deadline = time.monotonic() + seconds
+    while not llm.reset_prefix_cache(reset_connector=reset_connector):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"vLLM kept refusing to empty its prefix cache for {seconds:.0f} s: blocks stay held")
+        if in_process:
+            llm.llm_engine.step()  # in another process's engine core this would wait for output that never comes
         time.sleep(0.01)
-    raise RuntimeError(f"vLLM kept refusing to empty its prefix cache ({attempts} tries): blocks stay held")
 
 
 def _lora_options(spec: EngineSpec) -> dict[str, Any]:

@@ -85,3 +85,13 @@ def test_the_engine_layout_runs_refuse_bad_input_and_say_who_wins(tmp_path: Path
         "3.0 ms); copy 8.0 vs 5.0 ms in 240 vs 8 segments per chunk",
         "layerwise, Redis: overhead over the prefix hit 20.0 ms per-layer, 25.0 ms cross-layer (per-layer lower by "
         "5.0 ms); copy 10.0 vs 10.0 ms in 240 vs 8 segments per chunk; hidden behind compute 80% per-layer, 50% cross-layer"]
+
+
+def test_engine_settings_that_cannot_work_are_refused_before_any_engine(tmp_path: Path) -> None:
+    from kvlab.experiments.ttft import layouts_in_the_engine
+
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    with pytest.raises(ValueError, match=r"kv_cache_layout must be one of vLLM's \['LBHNC'.*got 'BLHND'"):
+        run_engine(EngineSpec(str(tmp_path), kv_cache_layout="BLHND"), [[1, 2, 3]])
+    with pytest.raises(ValueError, match="redis must be a running kvlab.runtime.redis.RedisServer, got str"):
+        layouts_in_the_engine(str(tmp_path), [[1, 2]], "redis://127.0.0.1:6379/0")
