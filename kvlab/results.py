@@ -19,8 +19,9 @@ import torch
 from kvlab.cache.devices import memory_bytes, resolve_device
 from kvlab.runtime.notebooks import check_profile
 
-# A run record names the profile it ran under (KVLAB_PROFILE, see use_profile).
-UNRECORDED_PROFILE = "paper"  # runs recorded before profiles existed were the full sweeps
+# A run record names the profile it ran under (KVLAB_PROFILE, see use_profile); a run made
+# outside the notebooks (a `kvlab bench` command, a script) says so. Every committed run names one.
+ADHOC_PROFILE = "adhoc"
 
 
 def use_profile(profile: str) -> str:
@@ -81,7 +82,7 @@ def fingerprint(device: str | torch.device = "auto") -> dict[str, Any]:
         "lmcache": _version("lmcache"),
         "triton": _version("triton"),
         "git_commit": _git_commit(),
-        "profile": os.environ.get("KVLAB_PROFILE"),
+        "profile": os.environ.get("KVLAB_PROFILE") or ADHOC_PROFILE,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
@@ -150,7 +151,7 @@ def load_results(paths: Iterable[str | Path], latest: bool = True) -> list[dict[
         for row in file_rows:
             run = runs.get(row.get("run_id"), {})
             rows.append({**row, "hardware": run.get("hardware"), "run_date": run.get("date"),
-                         "profile": run.get("profile") or UNRECORDED_PROFILE, "source": path.name})
+                         "profile": run.get("profile") or ADHOC_PROFILE, "source": path.name})
     return rows
 
 

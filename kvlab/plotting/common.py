@@ -68,7 +68,8 @@ def figure_width(width: str | float) -> float:
 
 def paper_figure(draw: Callable[..., plt.Figure]) -> Callable[..., plt.Figure]:
     """Draw a figure function's figure in the paper style (font sizes in points, the
-    palette; an empty first argument is a clear error), including the tick labels matplotlib makes later, when the figure is shown."""
+    palette; an empty first argument is a clear error), including the tick labels
+    matplotlib makes later, when the figure is shown."""
 
     @functools.wraps(draw)
     def drawn(*args, **kwargs) -> plt.Figure:
@@ -78,6 +79,11 @@ def paper_figure(draw: Callable[..., plt.Figure]) -> Callable[..., plt.Figure]:
             raise ValueError(f"{draw.__name__}: nothing to draw (no rows given: were the results loaded?)")
         with plt.rc_context(PAPER_RC):
             fig = draw(*args, **kwargs)
+            # Jupyter's inline backend, chosen by the first figure ever drawn, turns
+            # interactive mode on: leaving the context must not turn it off again, or no
+            # later figure is shown in the notebook
+            interactive = plt.isinteractive()
+        plt.interactive(interactive)
         for ax in fig.axes:
             ax.tick_params(which="both", labelsize=SMALL)
         return fig

@@ -22,6 +22,7 @@ import nbformat
 
 REPORT_NAME = "index.html"
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+IMAGE = "image/png"
 LEFT_OUT_TAGS = {"injected-parameters", "papermill-error-cell-tag"}
 EXTERNAL_SCRIPT_TYPES = {"text/x-mathjax-config"}  # configures the CDN MathJax left out below
 STYLE = """
@@ -35,6 +36,8 @@ STYLE = """
 .kvlab-contents li.kvlab-h3 { padding-left: 20px; }
 .kvlab-contents .kvlab-run { color: var(--jp-content-font-color2); font-size: 90%; }
 .kvlab-notebook { border-top: 2px solid var(--jp-border-color1); margin-top: 32px; }
+.kvlab-notebook .jp-OutputArea-output { overflow-x: auto; }  /* a wide table scrolls, never cut off */
+.kvlab-notebook .jp-OutputArea-output img { max-width: 100%; height: auto; }
 details.kvlab-code > summary { cursor: pointer; color: var(--jp-content-font-color2); margin-left: 64px;
   font: var(--jp-code-font-size) var(--jp-code-font-family); }
 """
@@ -82,6 +85,21 @@ class ExecutedNotebook:
                 if line.startswith("# "):
                     return line[2:].strip()
         return self.path.stem
+
+    def missing_figures(self) -> list[str]:
+        """``In [n]: k of m figures shown`` for every cell that saves more figures
+        (``save_figure(``) than it shows as images: a figure a reader never sees."""
+        missing = []
+        for cell in self.node.cells:
+            saved = cell.source.count("save_figure(") if cell.cell_type == "code" else 0
+            shown = sum(IMAGE in output.get("data", {}) for output in cell.get("outputs", []))
+            if shown < saved:
+                missing.append(f"In [{cell.get('execution_count')}]: {shown} of {saved} figures shown")
+        return missing
+
+    def images(self) -> int:
+        """How many images the notebook's outputs hold."""
+        return sum(IMAGE in output.get("data", {}) for cell in self.node.cells for output in cell.get("outputs", []))
 
     def errors(self) -> list[str]:
         """``In [n]: EName: message`` for every error output the notebook holds."""
@@ -191,12 +209,17 @@ def _header(notebooks: list[ExecutedNotebook], results_dir: Path,
     from kvlab.results import fingerprint, load_results
 
     errors = [(n, error) for n in notebooks for error in n.errors()]
+    missing = [(n, cell) for n in notebooks for cell in n.missing_figures()]
     banner = ""
     if errors:
         items = "".join(f"<li><a href='#{n.path.stem}'>{escape(n.path.name)}</a> {escape(e)}</li>" for n, e in errors)
         banner = (f"<div class='kvlab-errors' role='alert'><h2>{len(errors)} error output(s): this run failed</h2>"
                   f"<p>The errors are left out of the page below; read them in the executed notebooks.</p>"
                   f"<ul>{items}</ul></div>")
+    if missing:
+        items = "".join(f"<li><a href='#{n.path.stem}'>{escape(n.path.name)}</a> {escape(c)}</li>" for n, c in missing)
+        banner += (f"<div class='kvlab-errors' role='alert'><h2>{len(missing)} cell(s) saved a figure they do not "
+                   f"show</h2><p>Those figures are in data/figures but not on this page.</p><ul>{items}</ul></div>")
     profiles = sorted({n.profile for n in notebooks})
     starts = [n.started for n in notebooks if n.started]
     ends = [n.ended for n in notebooks if n.ended]
@@ -204,19 +227,34 @@ def _header(notebooks: list[ExecutedNotebook], results_dir: Path,
     total = sum(n.duration_s or 0 for n in notebooks)
     machine = fingerprint()
     results = sorted(results_dir.glob("*.jsonl")) if results_dir.is_dir() else []
-    measured_on = sorted({row["hardware"] for row in load_results(results) if row.get("hardware")})
     rows = [
-        ("Profile", escape(" / ".join(profiles)) + (" (differs between notebooks: see the contents)"
-                                                    if len(profiles) > 1 else "")),
+        ("Notebooks ran with", escape(" / ".join(profiles)) + " profile" + (
+            " (differs between notebooks: see the contents)" if len(profiles) > 1 else "")),
         ("Run", f"{when}; the notebooks took {_duration(total)} in all"),
         ("Built on", escape(_describe(machine)) + " (where <code>make run</code> or <code>make figures</code> ran the "
                                                   "notebooks, or <code>kvlab report</code> rebuilt this page)"),
-        ("Results from", "<br>".join(map(escape, measured_on)) or "no committed results"),
+        ("Figures measured on", _measured_on(load_results(results)) or "no committed results"),
     ]
     contents = "".join(_contents_entry(n, h) for n, h in zip(notebooks, headings))
     return (f"<header class='kvlab-report'><h1>kvlab notebooks</h1>{banner}"
             f"<dl>{''.join(f'<dt>{k}</dt><dd>{v}</dd>' for k, v in rows)}</dl></header>"
             f"<nav class='kvlab-report kvlab-contents'><h2>Contents</h2><ul>{contents}</ul></nav>")
+
+
+def _measured_on(rows: list[dict[str, Any]]) -> str:
+    """Each machine the results come from, with each profile it ran and the experiments
+    measured so: what every figure's footer says, gathered in one place."""
+    from html import escape
+
+    experiments: dict[str, dict[str, set[str]]] = {}
+    for row in rows:
+        if row.get("hardware"):
+            stem = row["source"].split("-", 1)[0]
+            experiments.setdefault(row["hardware"], {}).setdefault(row["profile"], set()).add(stem)
+    return "<br>".join(
+        f"<b>{escape(hardware)}</b>: " + "; ".join(f"{escape(profile)} profile ({', '.join(sorted(stems))})"
+                                                 for profile, stems in sorted(profiles.items()))
+        for hardware, profiles in sorted(experiments.items()))
 
 
 def _contents_entry(notebook: ExecutedNotebook, headings: list[tuple[int, str, str]]) -> str:

@@ -1,9 +1,13 @@
-"""Every notebook runs headless in the quick profile (what CI runs), writing its figures, and
-redraws them from the committed results alone (``make figures``), byte for byte."""
+"""Every notebook runs headless in the quick profile (what CI runs), writing its figures and
+showing each one it saves (in the executed notebook and its static HTML export), and redraws
+them from the committed results alone (``make figures``), byte for byte."""
 
 import pytest
 from conftest import committed_data
 
+from nbconvert import HTMLExporter
+
+from kvlab.plotting.report import ExecutedNotebook, read_executed
 from kvlab.runtime.notebooks import notebook_paths, run_notebooks
 
 pytestmark = pytest.mark.slow  # starts engines, servers or notebook kernels
@@ -18,6 +22,11 @@ def test_notebook_runs(path, tmp_path):
     errors = [o for c in notebook.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors
     assert list((tmp_path / "figures").glob(f"{path.stem[:2]}_*.png"))
+    shown = ExecutedNotebook(executed, notebook)
+    assert not shown.missing_figures(), "a cell saves a figure it does not show"
+    # a static export (nbconvert's HTML, as `jupyter nbconvert --to html` writes it) keeps every image
+    html, _ = HTMLExporter(embed_images=True).from_notebook_node(notebook)
+    assert html.count("<img") >= shown.images() > 0
 
 
 @pytest.mark.parametrize("notebook, figures", [("02_transfer_timing", 7), ("03_connector_and_hooks", 6),
@@ -31,7 +40,8 @@ def test_figures_redraw_from_committed_results(tmp_path, notebook, figures):
     (tmp_path / "results").mkdir()
     for path in committed:
         shutil.copy(path, tmp_path / "results")
-    run_notebooks(profile="standard", only=[notebook], out=tmp_path, measure=False)  # as make figures runs it
+    (executed,) = run_notebooks(profile="standard", only=[notebook], out=tmp_path, measure=False)  # as make figures
+    assert not read_executed(executed.parent)[0].missing_figures()
     assert sorted(p.name for p in (tmp_path / "results").iterdir()) == sorted(p.name for p in committed)
     for fmt in ("png", "svg", "pdf"):  # PNG to read, SVG and PDF (fonts embedded) for papers
         assert len(list((tmp_path / "figures").glob(f"{notebook[:2]}_*.{fmt}"))) == figures, fmt

@@ -36,7 +36,7 @@ def test_an_unknown_profile_is_refused_before_anything_runs(tmp_path):
 
 
 def test_run_records_name_their_profile(tmp_path, monkeypatch):
-    """A result says which profile measured it; runs from before profiles count as paper runs."""
+    """A result says which profile measured it; one measured outside the notebooks says adhoc."""
     import json
 
     from kvlab.results import load_results, record_run, use_profile
@@ -45,7 +45,7 @@ def test_run_records_name_their_profile(tmp_path, monkeypatch):
     path = tmp_path / "x-cpu.jsonl"
     record_run(path, [{"value": 1}], "cpu")
     run = json.loads(path.read_text().splitlines()[0])
-    assert run["profile"] is None and load_results([path])[0]["profile"] == "paper"
+    assert run["profile"] == "adhoc" and load_results([path])[0]["profile"] == "adhoc"
     use_profile("standard")
     record_run(path, [{"value": 2}], "cpu")
     (row,) = load_results([path])
@@ -59,3 +59,15 @@ def test_only_the_parameters_a_notebook_declares_are_passed():
     given = {"profile": "quick", "measure": False, "nonsense": 1}
     assert declared_only(atlas, given) == {"profile": "quick"}  # notebook 01 times nothing
     assert declared_only(timing, given) == {"profile": "quick", "measure": False}
+
+
+def test_every_committed_run_record_names_its_profile():
+    """The README's promise, on the files the figures are drawn from."""
+    import json
+
+    from conftest import committed_data
+
+    unnamed = [(path.name, number) for path in sorted((committed_data() / "results").glob("*.jsonl"))
+               for number, line in enumerate(path.read_text().splitlines(), 1)
+               if line.strip() and json.loads(line).get("record") == "run" and not json.loads(line).get("profile")]
+    assert not unnamed, f"run records without a profile: {unnamed}"

@@ -40,6 +40,9 @@ def test_report_from_the_committed_notebooks(report):
         assert notebook.profile in header
     images = page.find_all("img")
     assert images and all(img["src"].startswith("data:image/") for img in images)
+    # every figure a notebook saves is shown there, and every image the notebooks show is on the page
+    assert [(n.path.name, n.missing_figures()) for n in notebooks] == [(n.path.name, []) for n in notebooks]
+    assert len(images) == sum(n.images() for n in notebooks)
     assert not page.select(".kvlab-errors") and not page.select(ERROR_OUTPUT)
     assert not page.find_all("script", src=True), "the page loads nothing from outside"
     assert "widget-view" not in str(page)
@@ -76,6 +79,20 @@ def test_an_error_is_named_at_the_top_and_not_shown(tmp_path):
     banner = page.select_one(".kvlab-errors").get_text(" ")
     assert "In [3]: ZeroDivisionError: division by zero" in banner
     assert not page.select(ERROR_OUTPUT) and "the frames" not in str(page)
+
+
+def test_a_figure_saved_but_not_shown_is_named_at_the_top(tmp_path):
+    import nbformat
+
+    saved_only = nbformat.v4.new_code_cell('save_figure(fig, "x", figures_dir)', execution_count=3)
+    shown = nbformat.v4.new_code_cell('save_figure(fig, "y", figures_dir)', execution_count=4, outputs=[
+        nbformat.v4.new_output("display_data", data={"image/png": "iVBORw0KGgo=", "text/plain": "<Figure>"})])
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# t"), saved_only, shown]),
+                   tmp_path / "01_t.ipynb")
+    (notebook,) = read_executed(tmp_path)
+    assert notebook.missing_figures() == ["In [3]: 0 of 1 figures shown"] and notebook.images() == 1
+    page = BeautifulSoup(write_report(tmp_path, tmp_path / "out").read_text(), "html.parser")
+    assert "1 cell(s) saved a figure they do not show" in page.select_one(".kvlab-errors").get_text()
 
 
 def test_kvlab_report_rebuilds_it(tmp_path, capsys):
