@@ -26,6 +26,6 @@ test-extended: env
 figures: env
 	$(PY) -m kvlab notebooks --from-results
 
-# JupyterLab on the notebooks, on 127.0.0.1 (as root too: containers often run as root).
+# JupyterLab on working copies of the notebooks (lab/), on 127.0.0.1 (as root too: containers often run as root).
 lab: env
 	$(PY) -m kvlab lab

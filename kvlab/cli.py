@@ -19,7 +19,9 @@ from kvlab.results import default_results_path
 from kvlab.runtime.notebooks import PROFILES
 from kvlab.transfer.registry import ALL_METHODS
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # what a service manager and a closed terminal send
+# what a service manager, Ctrl-C (or kill -INT) and a closed terminal send; SIGINT too because a
+# shell starts a script's background job with SIGINT ignored, and Python then leaves it so
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def _parse_block_ids(text: str) -> str | list[int]:
@@ -246,20 +248,34 @@ def run_loadtest(args: argparse.Namespace) -> int:
 
 
 def run_lab(args: argparse.Namespace, jupyter_args: Sequence[str]) -> int:
-    """JupyterLab on the notebooks until Ctrl-C, SIGTERM or SIGHUP (or until it is shut down
-    from its File menu); prints the URL to open, token included, and where its log goes."""
-    from kvlab.runtime.lab import JupyterLab, LabError
+    """JupyterLab on working copies of the notebooks (lab/, kvlab.runtime.lab.working_copies:
+    running one never writes into notebooks/), opening just the notebook named, until Ctrl-C,
+    SIGTERM or SIGHUP (or until it is shut down from its File menu); prints the URL to open,
+    token included, and where its log goes, and opens it unless --no-browser."""
+    import threading
+    import webbrowser
+
+    from kvlab.runtime.lab import JupyterLab, LabError, find_notebook, working_copies
     from kvlab.runtime.notebooks import NOTEBOOKS_DIR
 
-    lab = JupyterLab(args.notebooks_dir or NOTEBOOKS_DIR, port=args.port, token=args.token,
-                     open_browser=not args.no_browser, extra_args=jupyter_args)
-    # JupyterLab runs in a process group of its own, which a service manager's SIGTERM or a closed
-    # terminal's SIGHUP does not reach: each becomes a Ctrl-C, so the with block stops it
+    committed = args.notebooks_dir or NOTEBOOKS_DIR
+    folder, kept = working_copies(committed)
+    for line in kept:
+        print(f"kvlab: {line}", file=sys.stderr)
+    notebook = find_notebook(folder, args.notebook) if args.notebook else None
+    lab = JupyterLab(folder, port=args.port, token=args.token, extra_args=jupyter_args)
+    # JupyterLab and its kernels run in process groups of their own, which a service manager's
+    # SIGTERM, kill -INT or a closed terminal's SIGHUP does not reach: each becomes a Ctrl-C, so
+    # the with block stops them
     previous = {sig: signal.signal(sig, _interrupt) for sig in STOP_SIGNALS}
     try:
         with lab:
-            print(f"JupyterLab on {lab.notebooks_dir}: open {lab.lab_url()}\n"
+            url = lab.lab_url(notebook)
+            print(f"JupyterLab on {folder} (copies of {committed}): open {url}\n"
                   f"its log: {lab.log_path}; Ctrl-C stops it", flush=True)
+            if not args.no_browser:
+                # in a thread, as Jupyter does: a console browser would block until it is closed
+                threading.Thread(target=webbrowser.open, args=(url,), daemon=True).start()
             return lab.process.wait()
     except KeyboardInterrupt:  # stopped on the way out of the with block
         return 0
@@ -272,7 +288,7 @@ def run_lab(args: argparse.Namespace, jupyter_args: Sequence[str]) -> int:
 
 
 def _interrupt(signum: int, frame: Any) -> None:
-    """The first SIGTERM or SIGHUP is a Ctrl-C; later ones are ignored, so they do not cut the stop short."""
+    """The first stop signal is a Ctrl-C; later ones are ignored, so they do not cut the stop short."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     raise KeyboardInterrupt
@@ -380,11 +396,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     lab = sub.add_parser("lab", help="JupyterLab on the notebooks, on 127.0.0.1 (other options go to jupyter lab)",
                          description="JupyterLab on the notebooks, on 127.0.0.1, as root too. Options not listed here "
-                                     "go to jupyter lab as they are, e.g. --ServerApp.shutdown_no_activity_timeout=3600.")
+                                     "go to jupyter lab as they are, written --Name=value, e.g. "
+                                     "--ServerApp.shutdown_no_activity_timeout=3600.")
+    lab.add_argument("notebook", nargs="?", default=None,
+                     help="open just this notebook, e.g. 05 or 05_extend_kvlab.ipynb "
+                          "(default: the tabs JupyterLab saved last)")
     lab.add_argument("--port", type=int, default=None, help="default: a free one")
     lab.add_argument("--token", default=None, help="default: a random one, printed in the URL; '' turns the login off")
     lab.add_argument("--no-browser", action="store_true", help="do not open the desktop's browser")
-    lab.add_argument("--notebooks-dir", default=None, help="default: the repository's notebooks/")
+    lab.add_argument("--notebooks-dir", default=None,
+                     help="default: the repository's notebooks/; JupyterLab serves copies in lab/ beside it")
 
     args, jupyter_args = parser.parse_known_args(argv)
     if jupyter_args and args.command != "lab":

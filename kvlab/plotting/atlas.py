@@ -4,28 +4,36 @@ notebook's private state, so every one can be regenerated with the same call."""
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+import functools
+from typing import Sequence
 
 import matplotlib
 import matplotlib.colors
+import matplotlib.font_manager
+import matplotlib.legend_handler
+import matplotlib.lines
 import matplotlib.patches
 import matplotlib.pyplot as plt
+import matplotlib.textpath
 import matplotlib.ticker
 import numpy as np
 
 from kvlab.cache.allocation import address_labels, axis_sizes
 from kvlab.cache.geometry import ModelGeometry
 from kvlab.cache.layouts import Layout, get_layout
-from kvlab.cache.segments import block_segments
-from kvlab.plotting.common import (BLUE, CYCLE, DEFAULT_WIDTH, MEDIUM, ORANGE, SMALL, figure_width, human_bytes,
-                                   panels, paper_figure, plural, room_for_numbers, unique_legend, wrap)
+from kvlab.cache.segments import span_segments
+from kvlab.plotting.common import (BLACK, BLUE, CYCLE, DEFAULT_WIDTH, MEDIUM, ORANGE, SMALL, WIDTHS, dots,
+                                   figure_width, human_bytes, model_name, panels, paper_figure, plural,
+                                   room_for_numbers, wrap)
 from kvlab.plotting.common import title as figure_title
 
 COLOUR_BY = ("layer", "block", "part", "token")
-_OKABE_ITO = matplotlib.colors.ListedColormap(CYCLE, name="okabe_ito")
+# black parts tensors (the lines across a map): no layer or block is drawn in it
+_OKABE_ITO = matplotlib.colors.ListedColormap([c for c in CYCLE if c != BLACK], name="okabe_ito")
 _CMAPS = {"layer": _OKABE_ITO, "block": _OKABE_ITO, "part": None, "token": "viridis"}
 _PART_COLOURS = np.array([matplotlib.colors.to_rgb(BLUE), matplotlib.colors.to_rgb(ORANGE)])
-LEGEND_INCHES = 0.9  # the colour legend right of a map
+MAX_HEIGHT = 6.0  # inches of a double-column figure: with its caption, it fits a page
+KEY_ROW = 0.15  # inches per entry of a colour key (SMALL type, tight spacing)
 
 
 def miniature(geometry: ModelGeometry, layers: int = 4, heads: int = 2, block_size: int = 4) -> ModelGeometry:
@@ -50,17 +58,140 @@ def _colours(values: np.ndarray, by: str, count: int) -> np.ndarray:
     return np.asarray(cmap(scale if by == "token" else scale.astype(int)))[:, :3]
 
 
-def _legend(by: str, geometry: ModelGeometry, num_blocks: int) -> list[matplotlib.patches.Patch]:
-    count = {"layer": geometry.num_layers, "block": num_blocks, "part": 2, "token": geometry.block_size}[by]
-    shown = list(range(count)) if count <= 8 else [0, count // 2, count - 1]
-    colours = _colours(np.array(shown), by, count)
-    names = {"layer": "layer {}", "block": "block {}", "token": "token {}"}
-    return [
-        matplotlib.patches.Patch(
-            color=c, label=geometry.part_names[v] if by == "part" else names[by].format(v)
-        )
-        for v, c in zip(shown, colours)
-    ]
+def _counts(geometry: ModelGeometry, num_blocks: int) -> dict[str, int]:
+    return {"layer": geometry.num_layers, "block": num_blocks, "part": 2, "token": geometry.block_size}
+
+
+# --- colour keys: one entry per colour a row of maps draws ---------------------------------
+
+
+class _Strip(matplotlib.patches.Patch):
+    """A key entry for a colour scale: its colours side by side, dark to light."""
+
+    def __init__(self, colours: np.ndarray, label: str):
+        super().__init__(color=colours[0], label=label)
+        self.colours = colours
+
+
+class _StripHandler(matplotlib.legend_handler.HandlerBase):
+    def create_artists(self, legend, orig_handle, xdescent, ydescent, width, height, fontsize, trans):
+        n = len(orig_handle.colours)
+        return [matplotlib.patches.Rectangle((-xdescent + width * i / n, -ydescent), width / n, height,
+                                             facecolor=colour, edgecolor="none", transform=trans)
+                for i, colour in enumerate(orig_handle.colours)]
+
+
+_HANDLERS = {_Strip: _StripHandler()}
+
+
+def _packed(layout: Layout, geometry: ModelGeometry) -> bool:
+    """An MLA layout keeping the latent and its rope in one vector (no part axis)."""
+    return geometry.is_mla and axis_sizes(layout, geometry, 1)["S"] == 1
+
+
+def _key_title(by: str, geometry: ModelGeometry) -> str:
+    return {"part": "MLA part" if geometry.is_mla else "K/V"}.get(by, by)
+
+
+def _values_text(by: str, values: Sequence[int]) -> str:
+    """'layer 3', 'blocks 0, 7', 'layers 0, 7, …' (the values one colour stands for)."""
+    shown = ", ".join(map(str, values)) if len(values) <= 2 else f"{values[0]}, {values[1]}, …"
+    return f"{by}{'s' * (len(values) > 1)} {shown}"
+
+
+def _key(by: str, geometry: ModelGeometry, num_blocks: int, layouts: Sequence[Layout]) -> list:
+    """Key entries naming exactly the colours ``layouts``' maps draw coloured by ``by``: one per
+    value while each has its own colour, one per colour naming the values that share it when
+    the palette repeats (more than 7 layers or blocks), a dark-to-light strip for more than
+    8 tokens."""
+    values = sorted({int(v) for layout in layouts for v in address_labels(layout, geometry, num_blocks)[by].numpy()})
+    colours = _colours(np.array(values), by, _counts(geometry, num_blocks)[by])
+    if by == "part":
+        names = list(geometry.part_names)
+        packed = [_packed(layout, geometry) for layout in layouts]
+        if all(packed):
+            names[0] = " + ".join(geometry.part_names)
+        elif any(packed):
+            names[0] = f"{names[0]} (+ {names[1]} where packed)"
+        return [matplotlib.patches.Patch(color=c, label=names[v]) for v, c in zip(values, colours)]
+    if by == "token" and len(values) > 8:
+        return [_Strip(colours, f"tokens {values[0]}–{values[-1]}, dark to light")]
+    shared: dict[tuple, list[int]] = {}
+    for value, colour in zip(values, colours):
+        shared.setdefault(tuple(colour), []).append(value)
+    return [matplotlib.patches.Patch(color=colour, label=_values_text(by, v)) for colour, v in shared.items()]
+
+
+def _row_label(by: str, geometry: ModelGeometry) -> str:
+    return f"by {_key_title(by, geometry)}"
+
+
+# --- text that fits ---------------------------------------------------------------------------
+
+_TEXT = matplotlib.textpath.TextToPath()
+
+
+@functools.lru_cache(maxsize=4096)
+def _inches(text: str, size: float = SMALL) -> float:
+    """The width of ``text``'s longest line at ``size`` points (DejaVu Sans, as drawn)."""
+    font = matplotlib.font_manager.FontProperties(size=size)
+    return max(_TEXT.get_text_width_height_descent(line, font, ismath=False)[0] for line in text.split("\n")) / 72
+
+
+def _name(name: str, inches: float) -> str:
+    """A layout's name on one line where it fits ``inches``, else broken after the "_" that
+    leaves the narrower lines."""
+    parts = name.split("_")
+    if _inches(name) <= inches or len(parts) == 1:
+        return name
+    return min(("_".join(parts[:i]) + "_\n" + "_".join(parts[i:]) for i in range(1, len(parts))), key=_inches)
+
+
+def _segments_texts(counts: Sequence[int | None], blocks: int, inches: float) -> list[str | None]:
+    """The segments moving ``blocks`` blocks in each map, in the longest wording in which every
+    count fits ``inches`` (None where nothing moves)."""
+    wordings = (lambda n: f"{plural(n, 'segment')} for {plural(blocks, 'block')}", lambda n: plural(n, "segment"),
+                lambda n: f"{n:,} seg.")
+    shown = [n for n in counts if n is not None]
+    words = next((w for w in wordings if all(_inches(w(n)) <= inches for n in shown)), wordings[-1])
+    return [None if n is None else words(n) for n in counts]
+
+
+def _axes_inches(fig: plt.Figure, ax: plt.Axes) -> float:
+    return ax.get_position().width * fig.get_figwidth()
+
+
+def _listing(values: Sequence[int]) -> str:
+    values = [str(v) for v in values]
+    return values[0] if len(values) == 1 else f"{', '.join(values[:-1])} and {values[-1]}"
+
+
+def _model(geometry: ModelGeometry) -> str:
+    """'Llama-3.1-8B-Instruct (miniature)' for 'meta-llama/Llama-3.1-8B-Instruct (miniature)'."""
+    suffix = " (miniature)"
+    plain = geometry.name.removesuffix(suffix)
+    return model_name(plain) + (suffix if plain != geometry.name else "")
+
+
+def _how_to_read(num_blocks: int, moved_blocks: Sequence[int]) -> str:
+    """The footnote under a page of maps: how to read one, and what moved."""
+    moved = sorted(set(moved_blocks))
+    if not moved:
+        what = "Nothing moved"
+    elif len(moved) == num_blocks:
+        what = f"All {plural(num_blocks, 'block')} moved"
+    else:
+        what = f"Block{'s' * (len(moved) > 1)} {_listing(moved)} moved (solid), the rest faded"
+    return (f"One cell = one head vector, in address order: left to right, then down (a row: one layer's page of "
+            f"a block). {what}; black lines part tensors.")
+
+
+def _footnote(fig: plt.Figure, text: str) -> None:
+    """A caption-like note under everything drawn (the layout engine keeps room for it)."""
+    fig.supxlabel(wrap(text, fig.get_figwidth(), SMALL), fontsize=SMALL, color="0.25")
+
+
+# --- the maps ----------------------------------------------------------------------------------
 
 
 def draw_memory_map(
@@ -71,21 +202,27 @@ def draw_memory_map(
     by: str = "layer",
     moved_blocks: Sequence[int] = (),
     width: int | None = None,
-) -> None:
+    spans: Sequence[tuple[int, int, int]] = (),
+    rest: str | None = None,
+) -> int | None:
     """Draw the cache's address space, one cell per head vector, coloured by ``by``.
 
     Rows wrap every ``width`` cells (default: one layer's page of one block). Blocks in
-    ``moved_blocks`` are drawn solid, the rest faded; the title gives their segment count.
+    ``moved_blocks`` and the tokens of ``spans`` (block, first, end: part of a block, as
+    span_segments takes them) are drawn solid, the rest faded, or in the colour ``rest``;
+    the title gives their segment count, which is returned (None when nothing moves).
     """
     layout = get_layout(layout)
     if by not in COLOUR_BY:
         raise ValueError(f"colour by one of {COLOUR_BY}, not {by!r}")
     labels = {k: v.numpy() for k, v in address_labels(layout, geometry, num_blocks).items()}
-    counts = {"layer": geometry.num_layers, "block": num_blocks, "part": 2, "token": geometry.block_size}
-    rgb = _colours(labels[by], by, counts[by])
-    if moved_blocks:
-        faded = ~np.isin(labels["block"], list(moved_blocks))
-        rgb[faded] = 0.25 * rgb[faded] + 0.75
+    rgb = _colours(labels[by], by, _counts(geometry, num_blocks)[by])
+    moved = [(block, 0, geometry.block_size) for block in moved_blocks] + list(spans)
+    if moved:
+        still = np.ones(len(rgb), dtype=bool)
+        for block, first, end in moved:
+            still &= ~((labels["block"] == block) & (labels["token"] >= first) & (labels["token"] < end))
+        rgb[still] = matplotlib.colors.to_rgb(rest) if rest else 0.25 * rgb[still] + 0.75
     width = width or geometry.block_size * geometry.num_kv_heads * axis_sizes(layout, geometry, num_blocks)["S"]
     rows = -(-len(rgb) // width)
     image = np.ones((rows * width, 3))
@@ -97,51 +234,75 @@ def draw_memory_map(
     ax.set_xticks([])
     ax.set_yticks([])
     title = layout.name
-    if moved_blocks:
-        seg = block_segments(layout, geometry, num_blocks, moved_blocks)
-        title += f"\n{plural(seg.count, 'segment')} for {plural(len(moved_blocks), 'block')}"
+    segments = None
+    if moved:
+        segments = span_segments(layout, geometry, num_blocks, moved).count
+        title += f"\n{plural(segments, 'segment')} for {plural(len({b for b, _, _ in moved}), 'block')}"
     ax.set_title(title, fontsize=MEDIUM)
+    return segments
 
 
-def _fit_titles(axes: Iterable[plt.Axes], inches: float) -> None:
-    """Map titles in small type, wrapped to their panel's width."""
-    for ax in axes:
-        ax.set_title(wrap(ax.get_title(), inches, SMALL), fontsize=SMALL)
+def _key_columns(entries: int, inches: float) -> int:
+    """Columns for a key of ``entries`` entries to stay within ``inches`` of height."""
+    return -(-entries // max(int(inches // KEY_ROW), 1))
+
+
+KEY_STYLE = dict(handlelength=1.2, handleheight=1.0, handletextpad=0.4, columnspacing=0.8, labelspacing=0.3,
+                 borderaxespad=0.3, handler_map=_HANDLERS)
 
 
 @paper_figure
 def memory_map(
-    layouts: Iterable[str | Layout],
+    layouts: Sequence[str | Layout],
     geometry: ModelGeometry,
     num_blocks: int = 6,
     moved_blocks: Sequence[int] = (1, 4),
     colour_by: Sequence[str] = COLOUR_BY,
     width: str | float = DEFAULT_WIDTH,
 ) -> plt.Figure:
-    """Layouts side by side (columns), coloured by layer, block, K/V and token (rows)."""
+    """Layouts side by side (columns), coloured by layer, block, K/V and token (rows), each
+    row's colour key right of it; the moved blocks' segments under each layout's name, how
+    to read a map in a footnote."""
     layouts = [get_layout(layout) for layout in layouts]
+    for by in colour_by:
+        if by not in COLOUR_BY:
+            raise ValueError(f"colour by one of {COLOUR_BY}, not {by!r}")
     inches = figure_width(width)
-    panel = (inches - LEGEND_INCHES - 0.3) / len(layouts)
-    fig, axes = plt.subplots(len(colour_by), len(layouts), figsize=(inches, (min(panel, 1.6) + 0.4) * len(colour_by)),
+    keys = [_key(by, geometry, num_blocks, layouts) for by in colour_by]
+    # a map about as tall as wide and as its key's column, within a page at double width
+    panel = (inches - 0.3 - 0.7) / len(layouts)
+    fixed = 1.2 if inches >= WIDTHS["double"] else 1.6  # the titles, the footnote and the space between rows
+    height = min(max(0.8 * panel, 0.8, KEY_ROW * max(map(len, keys)) + 0.05), 1.3)
+    if inches >= WIDTHS["double"]:
+        height = min(height, (MAX_HEIGHT - fixed) / len(colour_by) - 0.08)
+    fig, axes = plt.subplots(len(colour_by), len(layouts), figsize=(inches, (height + 0.08) * len(colour_by) + fixed),
                              squeeze=False, layout="constrained")
+    segments = []
     for row, by in enumerate(colour_by):
         for col, layout in enumerate(layouts):
-            draw_memory_map(axes[row, col], layout, geometry, num_blocks, by, moved_blocks)
-            if row:
-                axes[row, col].set_title("")
-        axes[row, 0].set_ylabel(f"by {by if by != 'part' else 'K/V'}")
-        axes[row, -1].legend(handles=_legend(by, geometry, num_blocks), loc="center left", bbox_to_anchor=(1.02, 0.5))
-    _fit_titles(axes[0], panel)
-    figure_title(fig, f"{geometry.name}: {geometry.num_layers} layers, {num_blocks} blocks of {geometry.block_size} "
-                      f"tokens, {'one MLA latent' if geometry.is_mla else f'{geometry.num_kv_heads} kv heads'}; "
-                      f"one cell = one head vector, addresses left to right, wrapping; "
-                      f"blocks {list(moved_blocks)} moved")
+            counted = draw_memory_map(axes[row, col], layout, geometry, num_blocks, by, moved_blocks)
+            axes[row, col].set_title("")
+            if row == 0:
+                segments.append(counted)
+        axes[row, 0].set_ylabel(_row_label(by, geometry))
+        axes[row, -1].legend(handles=keys[row], loc="center left",
+                             bbox_to_anchor=(1.0, 0.5), ncols=_key_columns(len(keys[row]), height), **KEY_STYLE)
+    heads = "one MLA latent" if geometry.is_mla else plural(geometry.num_kv_heads, "kv head")
+    figure_title(fig, f"{_model(geometry)}: {plural(geometry.num_layers, 'layer')}, {heads}, "
+                      f"{plural(num_blocks, 'block')} of {plural(geometry.block_size, 'token')}")
+    _footnote(fig, _how_to_read(num_blocks, moved_blocks))
+    fig.get_layout_engine().execute(fig)  # the maps' widths, for titles that fit them
+    fits = min(_axes_inches(fig, ax) for ax in axes[0]) + 0.04
+    for ax, layout, counted in zip(axes[0], layouts, _segments_texts(segments, len(set(moved_blocks)), fits)):
+        ax.set_title(_name(layout.name, fits) + (f"\n{counted}" if counted else ""), fontsize=SMALL)
     return fig
 
 
 @paper_figure
 def segment_scaling(rows: Sequence[dict], title: str = "", width: str | float = DEFAULT_WIDTH) -> plt.Figure:
-    """Segments and mean segment size against tokens moved, a line per layout and block size.
+    """Segments and mean segment size against tokens moved, a line per layout and block size:
+    a colour and marker per layout, a line style per block size, each named once in the key
+    under the panels.
 
     ``rows`` are kvlab.cache.segments.sweep rows.
     """
@@ -151,54 +312,92 @@ def segment_scaling(rows: Sequence[dict], title: str = "", width: str | float = 
         series.setdefault((row["layout"], row["block_size"]), []).append(row)
     layouts = list(dict.fromkeys(k[0] for k in series))
     sizes = sorted({k[1] for k in series})
-    styles = ["-", "--", ":", "-."]
+    marks = {layout: dict(color=CYCLE[i % len(CYCLE)], marker="os^vDP*X"[i % 8], ms=4.5 - 0.5 * (i % 3), mfc="none")
+             for i, layout in enumerate(layouts)}
+    styles = {size: ["-", "--", ":", "-."][k % 4] for k, size in enumerate(sizes)}
     for (layout, block_size), points in series.items():
         points = sorted(points, key=lambda r: r["tokens"])
         tokens = [p["tokens"] for p in points]
-        index = layouts.index(layout)
-        style = dict(color=CYCLE[index % len(CYCLE)], ls=styles[sizes.index(block_size) % 4],
-                     marker="os^vDP*X"[index % 8], ms=4.5 - 0.5 * (index % 3), mfc="none", lw=1)
-        label = f"{layout}, BS={block_size}"
-        left.plot(tokens, [p["segments"] for p in points], label=label, **style)
-        right.plot(tokens, [p["mean_segment_bytes"] for p in points], label=label, **style)
-    for ax, ylabel in ((left, "contiguous segments"), (right, "mean segment size (bytes)")):
+        style = dict(ls=styles[block_size], lw=1, **marks[layout])
+        left.plot(tokens, [p["segments"] for p in points], **style)
+        right.plot(tokens, [p["mean_segment_bytes"] for p in points], **style)
+    for ax, ylabel in ((left, "contiguous segments"), (right, "mean segment size")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log", base=2)
         ax.set_xlabel("tokens moved")
         ax.set_ylabel(ylabel)
         ax.grid(True, which="major", alpha=0.3)
     right.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: human_bytes(v)))
-    unique_legend(fig, [left], loc="outside lower center", ncols=max(1, int(figure_width(width) // 1.6)))
+    key = ([matplotlib.lines.Line2D([], [], lw=1, label=layout, **marks[layout]) for layout in layouts]
+           + [matplotlib.lines.Line2D([], [], color="0.3", lw=1, ls=styles[size], label=f"BS={size}")
+              for size in sizes])
+    style = dict(handlelength=2.4, handletextpad=0.5, columnspacing=1.2)
+    fig.legend(handles=key, loc="outside lower center", ncols=_key_columns_across(key, figure_width(width), split=len(layouts), **style),
+               **style)
     figure_title(fig, title)
     return fig
+
+
+def _key_columns_across(key: Sequence, inches: float, handlelength: float, handletextpad: float,
+                        columnspacing: float, split: int = 0) -> int:
+    """The most columns a key's entries (filled column by column, as matplotlib does) take
+    within ``inches`` of width, preferring those where the first ``split`` entries (one kind
+    of entry, the rest another) fill whole columns of their own."""
+    em = SMALL / 72
+    widths = [(handlelength + handletextpad) * em + _inches(entry.get_label()) for entry in key]
+    fitting, clean = [1], [1] if split in (0, len(widths)) else []
+    for columns in range(2, len(widths) + 1):
+        rows, longer = divmod(len(widths), columns)
+        starts = np.cumsum([0] + [rows + 1] * longer + [rows] * (columns - longer))
+        across = sum(max(widths[a:b]) for a, b in zip(starts[:-1], starts[1:])) + (columns - 1) * columnspacing * em
+        if across <= inches - 0.2:
+            fitting.append(columns)
+            if split in (0, *starts):
+                clean.append(columns)
+    return max(clean or fitting)
 
 
 @paper_figure
 def segments_by_layout(rows: Sequence[dict], title: str = "", width: str | float = DEFAULT_WIDTH) -> plt.Figure:
-    """Segments (bars, log scale) and segment size (label) for every layout in ``rows``,
-    one bar per block size. ``rows`` are kvlab.cache.segments.sweep rows for one token count."""
-    layouts = list(dict.fromkeys(r["layout"] for r in rows))
+    """Segments (dots, log scale) and their size (label) for every layout in ``rows``, one dot
+    per block size; layouts that move exactly the same share a row, so every paged layout
+    fits on a page. ``rows`` are kvlab.cache.segments.sweep rows for one token count."""
     sizes = sorted({r["block_size"] for r in rows})
-    by_key = {(r["layout"], r["block_size"]): r for r in rows}
-    height = 0.8 / len(sizes)
-    fig, ax = plt.subplots(figsize=(figure_width(width), 0.18 * len(layouts) * len(sizes) + 1.2), layout="constrained")
-    for i, block_size in enumerate(sizes):
-        ys = np.arange(len(layouts)) + i * height
-        values = [by_key[(name, block_size)]["segments"] for name in layouts]
-        bars = ax.barh(ys, values, height=height, label=f"block size {block_size}")
-        for bar, name in zip(bars, layouts):
-            row = by_key[(name, block_size)]
-            ax.annotate(f" {row['segments']} x {human_bytes(row['mean_segment_bytes'])}",
-                        (bar.get_width(), bar.get_y() + bar.get_height() / 2), va="center", fontsize=SMALL)
-    ax.set_yticks(np.arange(len(layouts)) + height * (len(sizes) - 1) / 2, layouts)
-    ax.invert_yaxis()
-    ax.set_xscale("log")
-    ax.set_xlim(0.8, 1.2 * max(r["segments"] for r in rows))
+    groups = _same_segments(rows, sizes)
+    inches = figure_width(width)
+    labels = [wrap(", ".join(layouts), inches / 3, SMALL) for layouts in groups.values()]
+    spans = [max(DOT_ROW * len(sizes), LINE * (label.count("\n") + 1)) + DOT_ROW for label in labels]
+    centres = np.cumsum(spans) - np.array(spans) / 2  # in inches, down the page
+    fig, ax = plt.subplots(figsize=(inches, sum(spans) + 1.0), layout="constrained")
+    for k, block_size in enumerate(sizes):
+        moved = [segments[k] for segments in groups]
+        dots(ax, centres + (k - (len(sizes) - 1) / 2) * DOT_ROW, [count for count, _ in moved],
+             [CYCLE[k % len(CYCLE)]] * len(moved), [f"{count:,.0f} × {human_bytes(size)}" for count, size in moved])
+    counts = [r["segments"] for r in rows]
+    ax.set_xlim(min(counts) / 2, max(counts) * 2)
+    ax.set_yticks(centres, labels)
+    ax.set_ylim(sum(spans), 0)
     ax.set_xlabel("contiguous segments (log)")
-    ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncols=len(sizes))
+    ax.legend(handles=[matplotlib.lines.Line2D([], [], ls="", marker="o", color=CYCLE[k % len(CYCLE)],
+                                               label=f"block size {block_size}") for k, block_size in enumerate(sizes)],
+              loc="lower center", bbox_to_anchor=(0.5, 1.0), ncols=len(sizes))
     figure_title(fig, title)
     room_for_numbers(fig, ax, 16)
     return fig
+
+
+DOT_ROW = 0.16  # inches between a row's dots (one per block size)
+LINE = 0.12  # inches per line of a row's label
+
+
+def _same_segments(rows: Sequence[dict], sizes: Sequence[int]) -> dict[tuple, list[str]]:
+    """Layouts grouped by what they move: (segments, mean segment bytes) per block size."""
+    by_key = {(r["layout"], r["block_size"]): r for r in rows}
+    groups: dict[tuple, list[str]] = {}
+    for layout in dict.fromkeys(r["layout"] for r in rows):
+        moved = tuple((by_key[layout, size]["segments"], by_key[layout, size]["mean_segment_bytes"]) for size in sizes)
+        groups.setdefault(moved, []).append(layout)
+    return groups
 
 
 @paper_figure
@@ -211,20 +410,43 @@ def atlas(
     columns: int | None = None,
     width: str | float = DEFAULT_WIDTH,
 ) -> plt.Figure:
-    """Every layout on one page, coloured by one property: the whole atlas at a glance
-    (``columns``: maps per row, default as many as the width holds)."""
+    """Every layout on one page, coloured by one property: a grid of small maps (``columns``
+    a row, default as many as the width holds), each under its layout's name and over the
+    segments moving the moved blocks; one colour key, and how to read a map in a footnote."""
     layouts = [get_layout(layout) for layout in layouts]
     inches = figure_width(width)
-    columns = columns or max(1, int((inches - LEGEND_INCHES) // 1.15))
-    panel = (inches - LEGEND_INCHES) / columns
+    columns = columns or max(1, int(inches // 0.95))
     rows = -(-len(layouts) // columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(inches, (min(panel, 1.6) + 0.35) * rows), squeeze=False,
+    panel = inches / columns
+    # per row: a name of up to two lines above the map, its segments below, the space between
+    around = 0.5
+    fixed = 0.75 if inches >= WIDTHS["double"] else 1.1  # the figure's title and footnote
+    height = min(max(0.75 * panel, 0.55), 1.2)
+    if inches >= WIDTHS["double"]:
+        height = min(height, (MAX_HEIGHT - fixed) / rows - around)
+    fig, axes = plt.subplots(rows, columns, figsize=(inches, (height + around) * rows + fixed), squeeze=False,
                              layout="constrained")
-    for ax, layout in zip(axes.flat, layouts):
-        draw_memory_map(ax, layout, geometry, num_blocks, by, moved_blocks)
-    _fit_titles(axes.flat, panel)
-    for ax in list(axes.flat)[len(layouts):]:
+    segments = [draw_memory_map(ax, layout, geometry, num_blocks, by, moved_blocks)
+                for ax, layout in zip(axes.flat, layouts)]
+    empty = list(axes.flat)[len(layouts):]
+    for ax in empty:
         ax.axis("off")
-    axes[0, -1].legend(handles=_legend(by, geometry, num_blocks), loc="upper left", bbox_to_anchor=(1.02, 1.0))
-    figure_title(fig, f"{geometry.name}: every layout, coloured by {by}; blocks {list(moved_blocks)} moved")
+    key = _key(by, geometry, num_blocks, layouts)
+    stacked = _key_columns(len(key), height + 0.3)
+    entry = (KEY_STYLE["handlelength"] + KEY_STYLE["handletextpad"] + KEY_STYLE["columnspacing"]) * SMALL / 72
+    if stacked * (entry + max(_inches(e.get_label()) for e in key)) <= len(empty) * panel:  # the grid's empty corner
+        corner = empty[0].legend(handles=key, loc="center", bbox_to_anchor=(0, 0, len(empty), 1), ncols=stacked,
+                                 **KEY_STYLE)
+        corner.set_in_layout(False)  # it lies over the empty maps' places, leaving the grid as it is
+    else:  # right of the grid, clear of the footnote under it
+        fig.legend(handles=key, loc="outside right upper", **KEY_STYLE)
+    figure_title(fig, f"{_model(geometry)}: every layout, coloured by {_key_title(by, geometry)}")
+    _footnote(fig, _how_to_read(num_blocks, moved_blocks)
+              + (" Under each map: the segments that move them." if moved_blocks else ""))
+    fig.get_layout_engine().execute(fig)
+    fits = min(_axes_inches(fig, ax) for ax in axes.flat) + 0.04
+    for ax, layout, counted in zip(axes.flat, layouts, _segments_texts(segments, len(set(moved_blocks)), fits)):
+        ax.set_title(_name(layout.name, fits), fontsize=SMALL)
+        if counted:
+            ax.set_xlabel(counted, fontsize=SMALL, labelpad=2)
     return fig

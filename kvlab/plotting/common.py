@@ -11,9 +11,11 @@ import textwrap
 from pathlib import Path
 from typing import Callable, Collection, Iterable, Sequence
 
+import matplotlib.colors
 import matplotlib.pyplot as plt
 from cycler import cycler
 
+from kvlab.cache.geometry import PRESETS
 from kvlab.experiments.paths import Reuse
 from kvlab.transfer.registry import method_colours
 
@@ -140,6 +142,25 @@ def short_hardware(hardware: str | None) -> str:
     return re.sub(r"\s+", " ", name).replace("( ", "(").replace(" )", ")").replace(" :", ":").strip()
 
 
+def model_name(model: str) -> str:
+    """A model as readers know it rather than as a folder, path or hub id names it: a
+    studied model by its published name (".../smollm2-135m-instruct-bf16" and
+    "HuggingFaceTB/SmolLM2-135M-Instruct" read "SmolLM2-135M-Instruct"), another by its last part."""
+    last = str(model).rstrip("/").split("/")[-1]
+    known = (geometry.name.split("/")[-1] for geometry in PRESETS.values())
+    return next((name for name in known if last.lower().startswith(name.lower())), last)
+
+
+def readable(text: str, rows: Iterable[dict]) -> str:
+    """``text`` (a title a notebook writes from its rows) with each row's model by its
+    :func:`model_name` and each machine by its :func:`short_hardware`."""
+    for model, hardware in dict.fromkeys((r.get("model"), r.get("hardware")) for r in as_records(rows)):
+        for raw, plain in ((model, model_name), (hardware, short_hardware)):
+            if isinstance(raw, str) and raw:
+                text = text.replace(raw, plain(raw))
+    return text
+
+
 def with_hardware(label: str, hardware: str | None, machines: Collection[str | None]) -> str:
     """``label`` naming its machine when the figure shows several (with one, the legend's
     title names it: see :func:`machine_title`)."""
@@ -237,6 +258,25 @@ def room_for_numbers(fig: plt.Figure, ax: plt.Axes, chars: int) -> None:
         ax.set_xlim(low, high * (high / low) ** (share / (1 - share)))
     else:
         ax.set_xlim(low, high + (high - low) * share / (1 - share))
+
+
+def ink(colour) -> str:
+    """Black or white, whichever reads better on ``colour`` (text inside a bar; by the WCAG
+    contrast of its luminance)."""
+    linear = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in matplotlib.colors.to_rgb(colour)]
+    return "black" if 0.2126 * linear[0] + 0.7152 * linear[1] + 0.0722 * linear[2] > 0.179 else "white"
+
+
+def dots(ax: plt.Axes, ys: Sequence[float], values: Sequence[float], colours: Sequence, texts: Sequence[str],
+         ends: Sequence[float] | None = None) -> None:
+    """Values spanning decades as dots on a log axis (a bar's length from an arbitrary floor
+    means nothing there), each with its text right of it (or of its whisker's ``ends``) and
+    a faint line to its row's label."""
+    ax.scatter(values, ys, s=20, c=colours, zorder=3)
+    ax.set_xscale("log")
+    ax.grid(axis="y", color=LIGHT_GREY, lw=0.5)
+    for y, end, text in zip(ys, ends or values, texts):
+        ax.annotate(text, (end, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=SMALL)
 
 
 def _rows_labelled(fig: plt.Figure, axes: Sequence[plt.Axes], labels: Sequence[str], title_text: str,

@@ -13,14 +13,21 @@ import matplotlib.pyplot as plt
 
 from kvlab.experiments.paths import Reuse
 from kvlab.plotting.common import (BLUE, CROSS_LAYER, DEFAULT_WIDTH, GREEN, PATH_COLOURS, PER_LAYER, SMALL, VERMILLION,
-                                   _rows_labelled, connector_colour, figure_width, panels, paper_figure,
-                                   unique_legend, wrap)
+                                   _rows_labelled, connector_colour, dots, figure_width, panels, paper_figure,
+                                   readable, unique_legend, wrap)
 from kvlab.plotting.common import title as figure_title
 
 _HOOK_EVENTS = {"load_wait": (VERMILLION, "wait_for_layer_load"), "attention": (BLUE, "attention"),
                 "save": (GREEN, "save_kv_layer")}
 LAYER_KINDS = [matplotlib.patches.Patch(color=PER_LAYER, label="per-layer"),
                matplotlib.patches.Patch(color=CROSS_LAYER, label="cross-layer")]
+
+
+def _row_inches(labels: Sequence[str], width: str | float, least: float) -> float:
+    """Inches per row of a figure whose rows _rows_labelled labels: ``least``, more where a
+    label wraps (to a third of the figure's width) to more lines than that holds."""
+    lines = max((wrap(label, figure_width(width) / 3, SMALL).count("\n") + 1 for label in labels), default=1)
+    return max(least, 0.12 * lines + 0.06)
 
 
 @paper_figure
@@ -44,51 +51,54 @@ def hooks_timeline(rows: Sequence[dict], title: str = "", width: str | float = D
     ax.set_ylim(len(layers) - 0.5, -0.5)
     ax.set_xlabel("time since the trace began (ms)")
     unique_legend(ax, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncols=4 if inches >= 5 else 2)
-    figure_title(fig, title)
+    figure_title(fig, readable(title, rows))
     return fig
 
 
 @paper_figure
 def ttft_figure(rows: Sequence[dict], title: str = "", width: str | float = DEFAULT_WIDTH) -> plt.Figure:
-    """Median time to first token per scenario (whiskers: min to max over the samples), with
-    vLLM's own prefix-cache hit as the floor; each connector's overhead over it in brackets."""
+    """Median time to first token per scenario as a dot on a log axis (recompute takes seconds,
+    a prefix hit tens of milliseconds), whiskers from the fastest to the slowest sample, vLLM's
+    own prefix-cache hit dashed as the floor, each connector's overhead over it in brackets."""
     rows = list(rows)
-    fig, (ax,) = panels(1, width, 0.9 + 0.3 * max(len(rows), 1))
-    notes = []
-    for i, r in enumerate(rows):
-        ms = 1e3 * r["median_s"]
-        ax.barh(i, ms, 0.7, color=connector_colour(r["connector"]))
-        ax.errorbar(ms, i, xerr=[[ms - 1e3 * r["min_s"]], [1e3 * r["max_s"] - ms]], color="black", lw=0.8, capsize=2)
-        overhead = r.get("overhead_s")
-        notes.append(f"{ms:.0f} ms" if overhead is None or overhead != overhead else
-                     f"{ms:.0f} ms (+{1e3 * overhead:.0f})")
-        ax.text(1e3 * r["max_s"] * 1.05, i, notes[-1], va="center", fontsize=SMALL)
+    labels = [r["scenario"] for r in rows]
+    fig, (ax,) = panels(1, width, 0.9 + _row_inches(labels, width, 0.3) * max(len(rows), 1))
+    medians = [1e3 * r["median_s"] for r in rows]
+    ax.errorbar(medians, range(len(rows)), xerr=[[ms - 1e3 * r["min_s"] for r, ms in zip(rows, medians)],
+                                                 [1e3 * r["max_s"] - ms for r, ms in zip(rows, medians)]],
+                fmt="none", ecolor="black", elinewidth=0.8, capsize=2)
+    overheads = [r.get("overhead_s") for r in rows]  # None (or a table's NaN) where there is no floor to add to
+    notes = [f"{ms:.0f} ms" if o is None or o != o else f"{ms:.0f} ms (+{1e3 * o:.0f})"
+             for ms, o in zip(medians, overheads)]
+    dots(ax, range(len(rows)), medians, [connector_colour(r["connector"]) for r in rows], notes,
+         ends=[1e3 * r["max_s"] for r in rows])
     floor = [r for r in rows if Reuse.of(r["scenario"]) is Reuse.VLLM_PREFIX_HIT]
     if floor:
         ax.axvline(1e3 * floor[0]["median_s"], color="black", ls="--", lw=0.8)
-    ax.set_xscale("log")
     ax.set_xlabel(wrap("time to first token (ms, log); dashed: vLLM prefix-cache hit; (+overhead over it)",
-                       figure_width(width) - 0.4))
-    return _rows_labelled(fig, [ax], [r["scenario"] for r in rows], title, room=[max(map(len, notes), default=0)])
+                       0.6 * figure_width(width)))  # the width right of the row labels
+    return _rows_labelled(fig, [ax], labels, readable(title, rows),
+                          room=[max(map(len, notes), default=0) + 1])
 
 
 @paper_figure
 def registration_figure(rows: Sequence[dict], title: str = "", width: str | float = DEFAULT_WIDTH) -> plt.Figure:
     """Per-layer against cross-layer hand-over: copies per load and load time."""
     rows = list(rows)
-    fig, axes = panels(2, width, 0.9 + 0.3 * max(len(rows), 1), sharey=True, min_panel_width=3)
-    colours = [CROSS_LAYER if r["cross_layer"] else PER_LAYER for r in rows]
     labels = [f"{r['registration']} ({r['layout']})" for r in rows]
-    for ax, key, xlabel in ((axes[0], "load_segments", "contiguous copies per load (log)"),
-                            (axes[1], "load_ms", "load time (ms)")):
-        values = [r[key] for r in rows]
-        ax.barh(range(len(rows)), values, 0.7, color=colours)
-        for i, v in enumerate(values):
-            ax.text(v, i, f" {v:.0f}" if key == "load_segments" else f" {v:.1f}", va="center", fontsize=SMALL)
-        ax.set_xlabel(xlabel)
-    axes[0].set_xscale("log")
+    fig, axes = panels(2, width, 0.9 + _row_inches(labels, width, 0.3) * max(len(rows), 1), sharey=True,
+                       min_panel_width=3)
+    colours = [CROSS_LAYER if r["cross_layer"] else PER_LAYER for r in rows]
+    copies = [r["load_segments"] for r in rows]
+    dots(axes[0], range(len(rows)), copies, colours, [f"{v:,.0f}" for v in copies])
+    axes[0].set_xlabel("contiguous copies per load (log)")
+    times = [r["load_ms"] for r in rows]
+    axes[1].barh(range(len(rows)), times, 0.7, color=colours)
+    for i, v in enumerate(times):
+        axes[1].text(v, i, f" {v:.1f}", va="center", fontsize=SMALL)
+    axes[1].set_xlabel("load time (ms)")
     fig.legend(handles=LAYER_KINDS, loc="outside lower center", ncols=2)
-    return _rows_labelled(fig, axes, labels, title, room=[7, 7])
+    return _rows_labelled(fig, axes, labels, readable(title, rows), room=[8, 7])
 
 
 @paper_figure
@@ -107,7 +117,7 @@ def deployed_figure(serving: Sequence[dict], title: str = "", width: str | float
         for i, v in enumerate(values):
             ax.text(max(v, 0), i, f" {v:.1f}", va="center", fontsize=SMALL)
         ax.set_xlabel(wrap(xlabel, 2.4))
-    return _rows_labelled(fig, axes, labels, title, room=[7, 7])
+    return _rows_labelled(fig, axes, labels, readable(title, rows), room=[7, 7])
 
 
 @paper_figure
@@ -121,26 +131,24 @@ def network_tier_figure(rows: Sequence[dict], title: str = "", width: str | floa
     lmcache = PATH_COLOURS[Reuse.LMCACHE]
     colours = [lmcache if r["strategy"].startswith("LMCache") else CROSS_LAYER if r["cross_layer"] else PER_LAYER
                for r in rows]
-    panels_drawn = ((axes[0], "objects_per_chunk", None, "Redis objects per chunk (log)"),
-                    (axes[1], "store_s", "ceiling_store_s", "store the prefix (ms)"),
-                    (axes[2], "fetch_s", "ceiling_fetch_s", "fetch the prefix (ms)"))
-    for ax, key, ceiling, xlabel in panels_drawn:
-        scale = 1 if ceiling is None else 1e3
-        values = [scale * r[key] for r in rows]
+    objects = [r["objects_per_chunk"] for r in rows]
+    dots(axes[0], range(len(rows)), objects, colours, [f"{v:,.0f}" for v in objects])
+    axes[0].set_xlabel("Redis objects per chunk (log)")
+    for ax, key, ceiling, xlabel in ((axes[1], "store_s", "ceiling_store_s", "store the prefix (ms)"),
+                                     (axes[2], "fetch_s", "ceiling_fetch_s", "fetch the prefix (ms)")):
+        values = [1e3 * r[key] for r in rows]
+        ceilings = [1e3 * r[ceiling] if r[ceiling] is not None else 0 for r in rows]
         ax.barh(range(len(rows)), values, 0.6, color=colours)
-        for i, v in enumerate(values):
-            ax.text(v, i, f" {v:.0f}" if ceiling is None else f" {v:.1f}", va="center", fontsize=SMALL)
-        if ceiling is not None:
-            for i, r in enumerate(rows):
-                if r[ceiling] is not None:
-                    ax.plot([1e3 * r[ceiling]] * 2, [i - 0.35, i + 0.35], color="black", ls="--", lw=0.8)
+        for i, (v, c) in enumerate(zip(values, ceilings)):
+            if c:
+                ax.plot([c] * 2, [i - 0.35, i + 0.35], color="black", ls="--", lw=0.8)
+            ax.text(max(v, c), i, f" {v:.1f}", va="center", fontsize=SMALL)  # clear of the ceiling's mark
         ax.set_xlabel(xlabel)
-    axes[0].set_xscale("log")
     kinds = LAYER_KINDS + [matplotlib.patches.Patch(color=lmcache, label="LMCache"),
                            matplotlib.lines.Line2D([], [], color="black", ls="--", lw=0.8,
                                                    label="one ready value per chunk")]
     fig.legend(handles=kinds, loc="outside lower center", ncols=4 if figure_width(width) >= 5 else 2)
-    return _rows_labelled(fig, axes, labels, title, room=[5, 6, 6])
+    return _rows_labelled(fig, axes, labels, readable(title, rows), room=[5, 6, 6])
 
 
 @paper_figure
@@ -168,6 +176,6 @@ def engine_layouts_figure(rows: Sequence[dict], title: str = "", width: str | fl
     axes[1].set_xlabel("copying (ms); filled: waited for")
     tier = [matplotlib.patches.Patch(facecolor="white", edgecolor="grey", hatch="//", label="from Redis"),
             matplotlib.patches.Patch(facecolor="grey", label="from memory")]
-    fig.legend(handles=[*LAYER_KINDS, *tier], loc="outside lower center", ncols=4)
+    fig.legend(handles=[*LAYER_KINDS, *tier], loc="outside lower center", ncols=4 if figure_width(width) >= 5 else 2)
     labels = [f"{r['hand_over']} {r['layout']}, {r['mode']}, {r['tier']}" for r in rows]
     return _rows_labelled(fig, axes, labels, title, room=[5, 16])

@@ -1,59 +1,73 @@
-"""An interactive layout explorer for JupyterLab (ipywidgets), and a static gallery that
-saved and exported notebooks keep (nbconvert drops live widget views).
+"""An interactive layout explorer for JupyterLab (ipywidgets), and its first view as a
+picture and a table, which saved, exported and headless copies of a notebook keep (they
+drop live widget views, or need a network to draw them).
 
 Pick a model, two layouts, a block size and a token count. The same transfer is shown at
-two scales: a miniature drawn cell by cell, whose heads, tokens per block and moved blocks
-follow the controls up to caps that keep it readable, and the real transfer's numbers, with
-its estimated time on every machine whose transfer timings are committed (the fitted cost
-model of kvlab.experiments.costmodel; nothing here imports vLLM).
+two scales: a miniature map drawn cell by cell in proportion to the real transfer (one
+drawn token for every TOKEN_SCALE tokens, so the block size sets how long a drawn block is
+and the token count how many blocks move, up to a readable cap), and the real transfer's
+numbers, with its estimated time from the fitted cost model (kvlab.experiments.costmodel)
+of this machine where it was measured, else of the machines that were, named as not this
+one. Nothing here imports vLLM.
 """
 
 from __future__ import annotations
 
+import base64
 import functools
 import html
 import io
-import textwrap
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-import matplotlib.pyplot as plt
+import matplotlib.colors
+import matplotlib.patches
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
 
-from kvlab.cache.allocation import address_labels
+from kvlab.cache.allocation import address_labels, axis_sizes
 from kvlab.cache.geometry import PRESETS, ModelGeometry, preset
-from kvlab.cache.layouts import compatible_layouts
-from kvlab.cache.segments import block_segments, scattered_block_ids, transfer_cost
+from kvlab.cache.layouts import compatible_layouts, get_layout
+from kvlab.cache.segments import scattered_block_ids, transfer_cost
 from kvlab.experiments.costmodel import CostFit, fit
-from kvlab.plotting.atlas import draw_memory_map, memory_map, miniature
-from kvlab.plotting.common import human_bytes, plural
-from kvlab.results import committed_results_dir, load_results
+from kvlab.plotting.atlas import draw_memory_map, miniature
+from kvlab.plotting.common import LIGHT_GREY, human_bytes, plural, short_hardware, wrap
+from kvlab.results import committed_results_dir, fingerprint, load_results
 
-# The miniature follows the controls up to these caps: beyond them the map is a blur.
-MAX_LAYERS, MAX_HEADS, MAX_BLOCK_TOKENS, MAX_MOVED_BLOCKS = 4, 4, 8, 6
-BLOCK_SCALE = 4  # a miniature block holds a quarter of a real block's tokens (at most MAX_BLOCK_TOKENS)
-ESTIMATE = ("offload", "segments")  # the timings the estimate is fitted on: one copy call per segment
+# The miniature: a few layers and heads, one drawn token for every TOKEN_SCALE tokens (blocks
+# of 16 to 256 tokens are drawn 1 to 16 tokens long), at most MAX_DRAWN_TOKENS drawn tokens
+# (the first 1,024 tokens; beyond, the map says how many more blocks it leaves out).
+MAX_LAYERS, MAX_HEADS, TOKEN_SCALE, MAX_DRAWN_TOKENS = 4, 2, 16, 64
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 TOKENS = tuple(2**k for k in range(4, 15))
-GALLERY = (("llama-3.1-8b", 16), ("llama-3.1-8b", 64), ("deepseek-v2-lite", 16), ("deepseek-v2-lite", 64))
-GALLERY_LAYOUTS, GALLERY_TOKENS = ("LBHNC", "BLHNC"), 256
-TWO_SCALES = "The same transfer at two scales: the map draws a miniature, the numbers are the real transfer."
+# The estimate: an offload by the fastest batched copy method measured on a machine (memcpy
+# moves every segment in one call, gather in one per tensor: the README's transfer tables show
+# them hide nearly all the cost of a copy), fitted on its transfer timings.
+DIRECTION, BATCHED = "offload", ("memcpy", "gather")
+TRANSFER_RESULTS = ("02_transfer-*.jsonl", "02_ceiling-*.jsonl")
+# The picture, shown at DPI (100 % zoom): text at FONT points is 12.5 px, readable on a projector.
+DPI, FONT = 100, 9
+# It fits beside the controls in a notebook beside JupyterLab's file browser (about 970 px).
+PANEL_W, PANEL_H, LEGEND_W = 2.4, 1.3, 1.55  # inches of one map, and of the legends' column
+LEFT, GAP, TOP, BOTTOM = 0.4, 0.12, 1.1, 0.06  # inches: row labels, between maps, titles above
+ASPECT = PANEL_H / PANEL_W
+NOT_MOVED = LIGHT_GREY
 ABOUT = """<div style="font-size: 12px; line-height: 1.35">
-<p><b>Segment</b>: one contiguous run of memory, moved by one copy call (one DMA descriptor on a
-device), and each costs a fixed overhead on top of its bytes.</p>
-<p><b>Equal bytes, different copy counts</b>: a per-layer layout stores a block as one run per layer
-(per K/V or head in some), a cross-layer layout as one run, so the same bytes can take many times
-more copies, each paying the overhead.</p>
-<p><b>Break-even</b>: the segment size from which a per-layer layout costs within 10 % of a
-cross-layer one; below it, the fixed cost per copy is what counts.</p>
-<p><b>Map</b>: one cell = one head vector, in address order: read a row left to right
-(address &rarr;), then wrap to the next. Solid cells are the moved blocks; black lines part tensors.</p>
+<p><b>Segment</b>: one contiguous run of memory, copied in one call; each call costs a fixed
+overhead. Batched methods (memcpy, gather) copy them all in one or a few calls.</p>
+<p>Per-layer layouts store a block as a run per layer, cross-layer ones as one run: the same bytes,
+many times the segments. <b>Break-even</b>: the segment size from which per-layer costs under 10 % more.</p>
+<p><b>Map</b>: cells in address order, row after row; coloured cells move, grey ones stay, black
+lines part tensors.</p>
 </div>"""
 
 
 def _time(seconds: float) -> str:
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
-        if seconds >= scale or unit == "µs":
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6), ("ns", 1e-9)):
+        if seconds >= scale or unit == "ns":
             return f"{seconds / scale:.3g} {unit}"
     raise AssertionError
 
@@ -61,12 +75,13 @@ def _time(seconds: float) -> str:
 @dataclass(frozen=True)
 class Scales:
     """One transfer at two scales: the ``real`` model moves ``tokens`` tokens; its miniature
-    ``small`` moves blocks ``moved`` of ``num_blocks`` (scattered, as the real ones)."""
+    ``small`` moves the drawn token ``spans`` (block, first, end) of ``num_blocks`` blocks,
+    scattered as the real ones are, the last one partly when the transfer ends inside it."""
 
     real: ModelGeometry
     tokens: int
     small: ModelGeometry
-    moved: tuple[int, ...]
+    spans: tuple[tuple[int, int, int], ...]
     num_blocks: int
 
     @classmethod
@@ -74,52 +89,109 @@ class Scales:
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
             raise ValueError(f"tokens must be a positive integer, got {tokens!r}")
         real = preset(model, block_size=block_size)
-        small = miniature(real, MAX_LAYERS, MAX_HEADS, min(max(block_size // BLOCK_SCALE, 1), MAX_BLOCK_TOKENS))
-        moved = min(-(-tokens // block_size), MAX_MOVED_BLOCKS)
-        num_blocks = 2 * moved + 2  # room to scatter them, no two adjacent, none at either end
-        moved_ids = tuple(1 + b for b in scattered_block_ids(moved, num_blocks - 2, 0))
-        return cls(real, tokens, small, moved_ids, num_blocks)
+        small = miniature(real, MAX_LAYERS, MAX_HEADS, max(block_size // TOKEN_SCALE, 1))
+        drawn = min(-(-tokens // TOKEN_SCALE), MAX_DRAWN_TOKENS)
+        moved = -(-drawn // small.block_size)
+        num_blocks = _cache_blocks(small, moved)
+        ids = [1 + b for b in scattered_block_ids(moved, num_blocks - 2, 0)]  # none at either end
+        last = drawn - (moved - 1) * small.block_size
+        return cls(real, tokens, small, tuple((b, 0, small.block_size) for b in ids[:-1]) + ((ids[-1], 0, last),),
+                   num_blocks)
 
     @property
     def real_blocks(self) -> int:
         return -(-self.tokens // self.real.block_size)
 
-    def describe(self) -> str:
-        """'miniature: 4 of 32 layers, 2 of 8 heads, blocks of 4 of 16 tokens, 3 of 16 blocks moved'."""
-        real, small = self.real, self.small
-        heads = "one MLA latent" if real.is_mla else f"{small.num_kv_heads} of {plural(real.num_kv_heads, 'head')}"
-        return (f"miniature: {small.num_layers} of {plural(real.num_layers, 'layer')}, {heads}, blocks of "
-                f"{small.block_size} of {plural(real.block_size, 'token')}, {len(self.moved)} of "
-                f"{plural(self.real_blocks, 'block')} moved")
+    def transfer(self) -> str:
+        """'meta-llama/Llama-3.1-8B-Instruct: 256 tokens in 16 blocks of 16 tokens (scattered)'."""
+        return (f"{self.real.name}: {self.tokens:,} tokens in {plural(self.real_blocks, 'block')} of "
+                f"{self.real.block_size} tokens (scattered)")
 
-    def segments(self, layout: str) -> int:
-        """Segments of the miniature's move: what the map shows."""
-        return block_segments(layout, self.small, self.num_blocks, self.moved).count
+    def drawn(self) -> str:
+        """Which blocks the map draws: all, or the first ones and how many it leaves out; a
+        last block the transfer ends inside drawn partly."""
+        drawn, blocks = len(self.spans), self.real_blocks
+        if blocks == 1:
+            text = "its one block drawn"
+        elif drawn == blocks:
+            text = f"all {drawn} blocks drawn"
+        else:
+            text = f"the first {drawn} of {blocks:,} blocks drawn … {blocks - drawn:,} more not drawn"
+        first, end = self.spans[-1][1:]
+        if end - first < self.small.block_size:
+            text += f", of the last only {end - first} of {self.small.block_size} drawn tokens (a partial block)"
+        return text
+
+    def scale(self) -> str:
+        """How the map scales the transfer down, and what one of its cells is."""
+        real, small = self.real, self.small
+        heads = "one MLA latent" if real.is_mla else f"{small.num_kv_heads} of {plural(real.num_kv_heads, 'kv head')}"
+        cell = "one token's MLA latent" if real.is_mla else "one head's K or V of one token"
+        return (f"miniature: a drawn token = {TOKEN_SCALE} tokens, {small.num_layers} of "
+                f"{plural(real.num_layers, 'layer')}, {heads}; a cell = {cell} in one layer")
+
+    def row_cells(self, layout: str) -> int:
+        """Cells per map row: whole pages of a block in one layer (or an even share of one,
+        for long blocks), as many as make the map about the panel's shape; every tensor
+        starts a row, so the lines parting them run along rows."""
+        tensors = np.bincount(address_labels(layout, self.small, self.num_blocks)["tensor"].numpy())
+        page = self.small.block_size * self.small.num_kv_heads * _parts(layout, self.small)
+        square = math.sqrt(tensors.sum() / ASPECT)
+        widths = [page * 2**k for k in range(10)] + [page // 2**k for k in range(1, 8) if page % 2**k == 0]
+        return min((w for w in widths if not (tensors % w).any()), key=lambda w: abs(math.log(w / square)))
+
+
+def _cache_blocks(small: ModelGeometry, moved: int) -> int:
+    """Blocks of the miniature's cache: room to scatter ``moved`` blocks, no two adjacent,
+    rounded up to whole map rows of a power of two blocks of one layer (and pairs of rows,
+    for layouts with a tensor per K/V), as many as make the map about the panel's shape."""
+    page = small.block_size * small.num_kv_heads * (1 if small.is_mla else 2)  # cells of a block in a layer
+    per_row = 2 ** max(0, round(math.log2(math.sqrt(small.num_layers * (2 * moved + 1) / page / ASPECT))))
+    return -(-(2 * moved + 1) // (2 * per_row)) * 2 * per_row
 
 
 @functools.lru_cache(maxsize=None)
 def measured_fits(results_dir: Path | None = None) -> tuple[CostFit, ...]:
-    """The cost model of each machine with committed transfer timings (02_transfer-*.jsonl,
-    default data/results), fitted once per process; none when nothing was measured."""
-    files = sorted(Path(results_dir or committed_results_dir()).glob("02_transfer-*.jsonl"))
-    return tuple(f for f in fit(load_results(files)) if (f.direction, f.method) == ESTIMATE)
+    """Each measured machine's cost model of an offload by its fastest batched copy method
+    (BATCHED, in order), from its transfer timings in ``results_dir`` (default data/results:
+    the committed ones and what `make run` added), fitted once per process."""
+    folder = Path(results_dir or committed_results_dir())
+    files = sorted(path for pattern in TRANSFER_RESULTS for path in folder.glob(pattern))
+    batched = [f for f in fit(load_results(files)) if f.direction == DIRECTION and f.method in BATCHED]
+    fastest: dict[str, CostFit] = {}
+    for f in sorted(batched, key=lambda f: BATCHED.index(f.method)):
+        fastest.setdefault(f.hardware, f)
+    return tuple(fastest[machine] for machine in sorted(fastest))
 
 
-def readout(model: str, layouts: Sequence[str], block_size: int, tokens: int,
-            fits: Sequence[CostFit] | None = None) -> list[str]:
-    """The explorer's numbers: the transfer at both scales, how many times fewer copies one
-    layout needs, and the estimated time on each machine of ``fits`` (default: committed)."""
+@functools.lru_cache(maxsize=None)
+def this_machine() -> str:
+    """This machine as result rows name it (kvlab.results.fingerprint)."""
+    return fingerprint()["hardware"]
+
+
+def estimate_sources(fits: Sequence[CostFit], here: str) -> list[tuple[CostFit, str]]:
+    """The fits an estimate uses, each with whose machine it is: this machine's own where it
+    was measured, else every measured machine's, said plainly not to be this one."""
+    own = [f for f in fits if f.hardware == here]
+    if own:
+        return [(f, f"this machine ({short_hardware(here)})") for f in own]
+    return [(f, f"{short_hardware(f.hardware)}, not this machine") for f in fits]
+
+
+def numbers(model: str, layouts: Sequence[str], block_size: int, tokens: int, fits: Sequence[CostFit] | None = None,
+            here: str | None = None) -> tuple[list[str], pd.DataFrame]:
+    """The explorer's numbers: notes (how many times fewer copies one layout needs, what the
+    estimate rests on) and a table of the real transfer per layout with its
+    estimated time, machine and copy method (``fits``: default measured_fits(); ``here``:
+    default this machine)."""
     if len(layouts) != 2:
         raise ValueError(f"the explorer compares two layouts, got {list(layouts)}")
     scales = Scales.of(model, block_size, tokens)
     costs = [(name, transfer_cost(name, scales.real, tokens)) for name in layouts]
-    width = max(len(name) for name in layouts)
-    lines = [scales.describe()]
-    for name, cost in costs:
-        lines.append(f"  {name:>{width}}: miniature {plural(scales.segments(name), 'segment')}; the real transfer "
-                     f"{human_bytes(cost['bytes_moved'])} in {plural(cost['segments'], 'segment')} "
-                     f"of {human_bytes(cost['mean_segment_bytes'])} on average")
-    return lines + [fewer_copies(costs)] + estimates(costs, scales.real, measured_fits() if fits is None else fits)
+    sources = estimate_sources(measured_fits() if fits is None else fits, this_machine() if here is None else here)
+    notes = [fewer_copies(costs)] + estimate_notes(scales.real.num_layers, sources)
+    return notes, pd.DataFrame([row for name, cost in costs for row in table_rows(name, cost, sources)])
 
 
 def fewer_copies(costs: Sequence[tuple[str, dict]]) -> str:
@@ -131,77 +203,133 @@ def fewer_copies(costs: Sequence[tuple[str, dict]]) -> str:
     return f"{few} needs {high['segments'] / low['segments']:.3g}x fewer copies than {many} for {same}"
 
 
-def estimates(costs: Sequence[tuple[str, dict]], geometry: ModelGeometry, fits: Sequence[CostFit]) -> list[str]:
-    """Estimated time of each layout's transfer and the break-even segment size, per machine."""
-    if not fits:
-        return [f"estimated {ESTIMATE[0]} time: no measured results"]
-    lines = [f"estimated {ESTIMATE[0]} time (fitted cost model: a fixed cost per copy + bytes / bandwidth):"]
-    for f in fits:
-        times = ", ".join(f"{name} {_time(f.predict(c['segments'], c['bytes_moved']))}" for name, c in costs)
-        lines.append(f"  {f.hardware}, {f.per_segment_s * 1e6:.2g} µs a copy + {f.bandwidth / 1e9:.3g} GB/s: {times}")
-        even = f.break_even_segment_bytes(geometry.num_layers)
-        means = ", ".join(f"{name} {human_bytes(c['mean_segment_bytes'])} "
-                          f"{'below' if c['mean_segment_bytes'] < even else 'above'}" for name, c in costs)
-        lines.append(f"    break-even segment {human_bytes(even)}; mean: {means}")
-    return lines
+def estimate_notes(layers: int, sources: Sequence[tuple[CostFit, str]]) -> list[str]:
+    """Whose machine and which copy method each estimate comes from, its fitted costs and
+    the segment size from which a per-layer layout costs within 10 % of a cross-layer one."""
+    if not sources:
+        return [f"estimated {DIRECTION} time: no measured results"]
+    return [f"estimate measured on {machine}: {f.method} (batched), {_time(f.per_segment_s)} a copy + "
+            f"{f.bandwidth / 1e9:.3g} GB/s, break-even {human_bytes(round(f.break_even_segment_bytes(layers)))}"
+            for f, machine in sources]
 
 
-def map_figure(model: str, layouts: Sequence[str], block_size: int, tokens: int) -> plt.Figure:
-    """The miniature's memory maps, coloured by layer and by K/V (by block when no layout
-    splits an MLA latent from its rope: a one-entry colouring says nothing)."""
+def table_rows(name: str, cost: dict, sources: Sequence[tuple[CostFit, str]]) -> list[dict]:
+    """One layout's real transfer, a row per machine estimated on."""
+    row = {"layout": name, "segments": cost["segments"], "mean segment": human_bytes(cost["mean_segment_bytes"]),
+           "bytes": human_bytes(cost["bytes_moved"])}
+    if not sources:
+        return [{**row, f"estimated {DIRECTION} time": "no measured results", "measured on": "", "copy method": ""}]
+    return [{**row, f"estimated {DIRECTION} time": _time(f.predict(cost["segments"], cost["bytes_moved"])),
+             "measured on": machine, "copy method": f.method} for f, machine in sources]
+
+
+def map_figure(model: str, layouts: Sequence[str], block_size: int, tokens: int,
+               colour_by: Sequence[str] | None = None) -> Figure:
+    """The miniature's memory maps: a column per layout, a row per colouring (default by
+    layer, then by K/V or MLA part where every layout splits them, else by block), moved
+    cells in colour and the rest grey, each row's legend naming exactly the colours drawn.
+    The maps sit at fixed places, so only what they draw changes with the controls."""
     scales = Scales.of(model, block_size, tokens)
-    split = any(address_labels(name, scales.small, scales.num_blocks)["part"].unique().numel() > 1 for name in layouts)
-    fig = memory_map(layouts, scales.small, scales.num_blocks, scales.moved,
-                     colour_by=("layer", "part" if split else "block"))
-    for ax, name in zip(fig.axes, layouts):
-        ax.set_title(f"{name}\nminiature: {plural(scales.segments(name), 'segment')}", fontsize=9)
-    fig.suptitle(f"{scales.real.name}, {textwrap.fill(scales.describe(), 60)} (solid)", fontsize=9)
+    colour_by = colour_by or ("layer", "part" if all(_parts(name, scales.small) == 2 for name in layouts) else "block")
+    width = LEFT + len(layouts) * (PANEL_W + GAP) + LEGEND_W
+    height = TOP + len(colour_by) * (PANEL_H + GAP) + BOTTOM
+    fig = Figure(figsize=(width, height), dpi=DPI, facecolor="white")  # not the inline backend's transparent
+    grid = fig.add_gridspec(len(colour_by), len(layouts) + 1, width_ratios=[PANEL_W] * len(layouts) + [LEGEND_W],
+                            left=LEFT / width, right=1, top=1 - TOP / height, bottom=BOTTOM / height,
+                            wspace=GAP / PANEL_W, hspace=GAP / PANEL_H)
+    for row, by in enumerate(colour_by):
+        maps = [fig.add_subplot(grid[row, column]) for column in range(len(layouts))]
+        for ax, name in zip(maps, layouts):
+            draw_memory_map(ax, name, scales.small, scales.num_blocks, by, width=scales.row_cells(name),
+                            spans=scales.spans, rest=NOT_MOVED)
+            ax.set_title(ax.get_title() if row == 0 else "", fontsize=FONT)
+        maps[0].set_ylabel(_row_label(by, scales.small), fontsize=FONT)
+        key = fig.add_subplot(grid[row, -1])
+        key.axis("off")
+        handles = legend_handles(maps, layouts, scales, by)
+        key.legend(handles=handles, loc="center left", fontsize=FONT, frameon=False, borderaxespad=0.3,
+                   ncols=-(-len(handles) // 8), handlelength=1.2, columnspacing=0.8, labelspacing=0.25)
+    fig.suptitle(wrap(f"{scales.transfer()}; {scales.drawn()}\n{scales.scale()}", width, FONT),
+                 fontsize=FONT, y=1 - 0.05 / height, va="top")
     return fig
 
 
-def gallery(fits: Sequence[CostFit] | None = None) -> plt.Figure:
-    """The explorer's main combinations in one static figure, for saved and exported notebooks:
-    per-layer against cross-layer, for Llama and an MLA model, at two block sizes."""
-    fig, axes = plt.subplots(len(GALLERY), 3, figsize=(13, 2.4 * len(GALLERY)), squeeze=False, layout="constrained",
-                             gridspec_kw={"width_ratios": [1, 1, 2.6]})
-    for row, (model, block_size) in zip(axes, GALLERY):
-        scales = Scales.of(model, block_size, GALLERY_TOKENS)
-        for ax, name in zip(row, GALLERY_LAYOUTS):
-            draw_memory_map(ax, name, scales.small, scales.num_blocks, "layer", scales.moved)
-            ax.set_title(f"{name}: miniature {plural(scales.segments(name), 'segment')}", fontsize=8)
-        row[0].set_ylabel(f"{model}\nblock size {block_size}\n(address →, wraps)", fontsize=8)
-        row[2].axis("off")
-        lines = readout(model, GALLERY_LAYOUTS, block_size, GALLERY_TOKENS, fits)
-        row[2].text(0, 1, "\n".join(textwrap.fill(line, 112, subsequent_indent="      ") for line in lines),
-                    family="monospace", fontsize=7.5, va="top", transform=row[2].transAxes)
-    fig.suptitle(f"The explorer's main views: moving {GALLERY_TOKENS} tokens from scattered blocks.\n{TWO_SCALES}\n"
-                 "One cell = one head vector, coloured by layer; solid = the moved blocks.", fontsize=10)
-    return fig
+def _parts(layout: str, geometry: ModelGeometry) -> int:
+    """Vectors a token has per head and layer: K and V, or an MLA latent and its rope (2), or one."""
+    return axis_sizes(get_layout(layout), geometry, 1)["S"]
 
 
-def _png(fig: plt.Figure) -> bytes:
+def _row_label(by: str, small: ModelGeometry) -> str:
+    if by == "part":
+        return "by MLA part" if small.is_mla else "by K/V"
+    return f"by {'drawn token' if by == 'token' else by}"
+
+
+def legend_handles(maps: Sequence[Any], layouts: Sequence[str], scales: Scales, by: str) -> list[Any]:
+    """One entry per colour the row's maps draw, naming the moved cells' values of ``by``
+    that share it, and one for the cells that stay: read back from the drawn images."""
+    values: dict[tuple[float, ...], set[int]] = {}
+    for ax, name in zip(maps, layouts):
+        labels = address_labels(name, scales.small, scales.num_blocks)[by].numpy()
+        cells = np.asarray(ax.images[0].get_array()).reshape(-1, 3)[: len(labels)]
+        for colour, value in zip(map(tuple, cells.round(6)), labels):
+            values.setdefault(colour, set()).add(int(value))
+    grey = tuple(np.round(matplotlib.colors.to_rgb(NOT_MOVED), 6))
+    named = sorted((min(v), colour, _value_label(by, sorted(v), scales, layouts))
+                   for colour, v in values.items() if colour != grey)
+    handles = [matplotlib.patches.Patch(color=colour, label=label) for _, colour, label in named]
+    return handles + ([matplotlib.patches.Patch(color=grey, label="not moved")] if grey in values else [])
+
+
+def _value_label(by: str, values: list[int], scales: Scales, layouts: Sequence[str]) -> str:
+    """'layer 0', 'blocks 3, 10, …', 'K', 'tokens 32-47' (a drawn token is TOKEN_SCALE tokens)."""
+    if by == "part":
+        packed = scales.small.is_mla and all(_parts(name, scales.small) == 1 for name in layouts)
+        return "latent + rope" if packed else scales.small.part_names[values[0]]
+    if by == "token":
+        return ", ".join(f"tokens {v * TOKEN_SCALE}-{(v + 1) * TOKEN_SCALE - 1}" for v in values)
+    shown = ", ".join(map(str, values[:2])) + (", …" if len(values) > 2 else "")
+    return f"{by}{'s' * (len(values) > 1)} {shown}"
+
+
+def map_png(model: str, layouts: Sequence[str], block_size: int, tokens: int) -> bytes:
+    """The map as PNG at the figure's own resolution (100 % zoom: text at its stated size)."""
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=80, bbox_inches="tight")
-    plt.close(fig)
+    map_figure(model, layouts, block_size, tokens).savefig(buffer, format="png", dpi=DPI)
     return buffer.getvalue()
+
+
+def notes_html(notes: Sequence[str]) -> str:
+    """The notes as paragraphs, in the notebook's normal font."""
+    return "".join(f"<p style='margin: 2px 0'>{html.escape(note)}</p>" for note in notes)
+
+
+def numbers_html(notes: Sequence[str], table: pd.DataFrame) -> str:
+    """The widget's numbers: the notes and the table, lines as close as text's (a widget's
+    HTML keeps them a control's height apart), table cells unbroken and headers wrapped."""
+    style = ".kvlab-explorer-numbers td {white-space: nowrap} .kvlab-explorer-numbers :is(td, th) {padding: 1px 8px}"
+    return (f"<style>{style}</style><div style='line-height: 1.4; font-size: 13px'>{notes_html(notes)}"
+            f"{table.to_html(index=False, border=0)}</div>")
 
 
 def explorer_widget(model: str = "llama-3.1-8b", layouts: Sequence[str] = ("LBHNC", "BLHNC"), block_size: int = 16,
                     tokens: int = 256) -> Any:
-    """The live explorer: controls in a column beside the map, the numbers below."""
+    """The live explorer: controls in a column beside the map, the numbers below both."""
     import ipywidgets as widgets
 
     options = compatible_layouts(preset(model), chunk_formats=False)
-    model_w = widgets.Dropdown(options=sorted(PRESETS), value=model, description="model")
-    first = widgets.Dropdown(options=options, value=layouts[0], description="layout A")
-    second = widgets.Dropdown(options=options, value=layouts[1], description="layout B")
-    block_w = widgets.Dropdown(options=BLOCK_SIZES, value=block_size, description="block size")
-    tokens_w = widgets.SelectionSlider(options=TOKENS, value=tokens, description="tokens", continuous_update=False)
+    narrow = {"style": {"description_width": "70px"}, "layout": widgets.Layout(width="250px")}
+    model_w = widgets.Dropdown(options=sorted(PRESETS), value=model, description="model", **narrow)
+    first = widgets.Dropdown(options=options, value=layouts[0], description="layout A", **narrow)
+    second = widgets.Dropdown(options=options, value=layouts[1], description="layout B", **narrow)
+    block_w = widgets.Dropdown(options=BLOCK_SIZES, value=block_size, description="block size", **narrow)
+    tokens_w = widgets.SelectionSlider(options=TOKENS, value=tokens, description="tokens", continuous_update=False,
+                                       **narrow)
     # The numbers and the map are widget values, replaced in place on every change.
-    numbers = widgets.HTML()
+    numbers_w = widgets.HTML()
     picture = widgets.Image(format="png")
     controls = {"model": model_w, "layout-a": first, "layout-b": second, "block-size": block_w, "tokens": tokens_w,
-                "numbers": numbers, "map": picture}
+                "numbers": numbers_w, "map": picture}
     for role, widget in controls.items():
         widget.add_class(f"kvlab-explorer-{role}")  # CSS handles for the tests (tests/runtime/test_lab.py)
 
@@ -212,13 +340,13 @@ def explorer_widget(model: str = "llama-3.1-8b", layouts: Sequence[str] = ("LBHN
             return
         chosen = [first.value, second.value]
         try:
-            lines = readout(model_w.value, chosen, block_w.value, tokens_w.value)
-            fig = map_figure(model_w.value, chosen, block_w.value, tokens_w.value)
+            notes, table = numbers(model_w.value, chosen, block_w.value, tokens_w.value)
+            png = map_png(model_w.value, chosen, block_w.value, tokens_w.value)
         except ValueError as exc:
-            numbers.value = f"<pre>error: {html.escape(str(exc))}</pre>"
+            numbers_w.value = f"<p>error: {html.escape(str(exc))}</p>"
             return
-        numbers.value = f"<b>{TWO_SCALES}</b><pre>" + html.escape("\n".join(lines)) + "</pre>"
-        picture.value = _png(fig)
+        numbers_w.value = numbers_html(notes, table)
+        picture.value = png
 
     def on_model(change: dict) -> None:
         nonlocal updating
@@ -236,22 +364,24 @@ def explorer_widget(model: str = "llama-3.1-8b", layouts: Sequence[str] = ("LBHN
         widget.observe(redraw, names="value")
     redraw()
     column = widgets.VBox([model_w, first, second, block_w, tokens_w, widgets.HTML(ABOUT)],
-                          layout=widgets.Layout(width="380px", min_width="380px"))
-    return widgets.VBox([widgets.HBox([column, picture]), numbers])
+                          layout=widgets.Layout(width="260px", min_width="260px"))
+    return widgets.VBox([widgets.HBox([column, picture]), numbers_w])
 
 
 def explore(model: str = "llama-3.1-8b", layouts: Sequence[str] = ("LBHNC", "BLHNC"), block_size: int = 16,
             tokens: int = 256, interactive: bool = True) -> None:
-    """The live explorer (``interactive=False``: the same view drawn once), then the static
-    gallery, which saved and exported notebooks keep when live widget views are gone."""
+    """The live explorer (``interactive``; its first view as a plain picture for copies
+    saved without widget state), then that view as a picture, notes and a table: what saved,
+    exported and headless (``interactive=False``) copies of the notebook keep."""
     from IPython.display import HTML, Image, display
 
+    picture = map_png(model, layouts, block_size, tokens)
+    notes, table = numbers(model, layouts, block_size, tokens)
     if interactive:
-        display(explorer_widget(model, layouts, block_size, tokens))
-    else:
-        display(HTML(f"<b>{TWO_SCALES}</b><pre>"
-                     + html.escape("\n".join(readout(model, layouts, block_size, tokens))) + "</pre>"))
-        display(Image(_png(map_figure(model, layouts, block_size, tokens))))
-    fig = gallery()
-    display(fig)
-    plt.close(fig)
+        bundle = explorer_widget(model, layouts, block_size, tokens)._repr_mimebundle_()
+        display({**bundle, "image/png": base64.b64encode(picture).decode()}, raw=True)
+        display(HTML("<p>The explorer's first view, kept by saved and exported copies of this notebook:</p>"))
+    display(Image(picture, alt=f"memory maps of {' and '.join(layouts)} moving {tokens} tokens of {model}, "
+                               f"block size {block_size}"))
+    display(HTML(notes_html(notes)))
+    display(table.set_index("layout"))

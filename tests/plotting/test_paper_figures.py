@@ -7,11 +7,12 @@ import matplotlib
 
 matplotlib.use("Agg")
 
+import matplotlib.container  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.text  # noqa: E402
 import pytest  # noqa: E402
 
-from kvlab.cache import LAYOUTS, Holds, preset, sweep  # noqa: E402
+from kvlab.cache import compatible_layouts, preset, sweep  # noqa: E402
 from kvlab.plotting import common  # noqa: E402
 from kvlab.plotting import (  # noqa: E402
     accuracy_figure, atlas, bandwidth_vs_tokens, break_even_figure, comparison_figure, cost_model_figure,
@@ -28,8 +29,20 @@ def committed(stem: str) -> list[dict]:
     return results_for(stem, committed_results_dir())
 
 
+def records(rows) -> list[dict]:
+    """Rows through a DataFrame and back, as the notebooks hand them over (NaN for a missing value)."""
+    import pandas as pd
+
+    return pd.DataFrame(rows).to_dict("records")
+
+
 def transfer_rows() -> list[dict]:
     return load_results(sorted(committed_results_dir().glob("02_transfer-*.jsonl")))
+
+
+def transfer_here() -> list[dict]:
+    """Notebook 02's ``here``: the newest transfer run."""
+    return committed("02_transfer")
 
 
 def cost_fits():
@@ -39,9 +52,11 @@ def cost_fits():
 
 
 def cost_predictions() -> list[dict]:
+    """What notebook 02 draws its cost model from: the newest run against its own machine's fits."""
     from kvlab.experiments import costmodel
 
-    return costmodel.predictions(transfer_rows(), cost_fits())
+    here = transfer_here()
+    return costmodel.predictions(here, [f for f in cost_fits() if f.hardware == here[0]["hardware"]])
 
 
 def accuracy_tables() -> tuple[list[dict], list[dict], list[dict]]:
@@ -53,48 +68,96 @@ def accuracy_tables() -> tuple[list[dict], list[dict], list[dict]]:
     accuracy = pd.DataFrame(committed("04_accuracy"))
     generations, perplexity, task = (accuracy[accuracy["table"] == name].dropna(axis=1, how="all").convert_dtypes()
                                      for name in ("generations", "perplexity", "task"))
-    return (against_control(generations.to_dict("records")), against_control(perplexity.to_dict("records")),
-            task.to_dict("records"))
+    return (records(against_control(generations.to_dict("records"))),
+            records(against_control(perplexity.to_dict("records"))), task.to_dict("records"))
 
 
 def comparison_rows() -> list[dict]:
     from kvlab.experiments.ttft import connector_costs
 
-    return connector_costs(committed("04_connectors"))
+    return records(connector_costs(committed("04_connectors")))
 
 
 def ttft_rows() -> list[dict]:
     from kvlab.experiments.ttft import with_overheads
 
-    return with_overheads(committed("03_ttft"))
+    return records(with_overheads(committed("03_ttft")))
 
 
-# Each figure function, called as its notebook calls it, on what it reads there.
+def ttft(**kw):
+    rows = ttft_rows()
+    return ttft_figure(rows, f"{rows[0]['model']}: time to first token, {int(rows[0]['prompt_tokens'])}-token prompts "
+                             f"({rows[0]['hardware']})", **kw)
+
+
+def timeline(**kw):
+    rows = committed("03_timeline")
+    return hooks_timeline(rows, f"{rows[0]['model']}, {rows[0]['prompt_tokens']}-token prefix loaded layer by layer "
+                                f"({rows[0]['layout']}, {rows[0]['hardware']})", **kw)
+
+
+def registration(**kw):
+    rows = records(committed("03_registration"))
+    return registration_figure(rows, f"{rows[0]['model']}: save and reload {int(rows[0]['tokens'])} tokens through "
+                                     f"KVLabConnector", **kw)
+
+
+def engine_layouts(**kw):
+    rows = records(committed("03_engine_layouts"))
+    return engine_layouts_figure(rows, f"Per-layer against cross-layer in vLLM's CPU engine: SmolLM2-135M, "
+                                       f"{int(rows[0]['prompt_tokens'])}-token prompts", **kw)
+
+
+def deployed(**kw):
+    rows = committed("03_serving")
+    return deployed_figure(rows, f"{rows[0]['model']}, vLLM's default processes ({rows[0]['hardware']})", **kw)
+
+
+def network(**kw):
+    rows = committed("03_network")
+    return network_tier_figure(rows, f"{rows[0]['model']}: a {rows[0]['tokens']}-token prefix through Redis "
+                                     f"({rows[0]['hardware']})", **kw)
+
+
+def accuracy(**kw):
+    generations, perplexity, task = accuracy_tables()
+    return accuracy_figure(generations, perplexity, task, f"{task[0]['model']} ({task[0]['dtype']}): reuse paths "
+                                                          f"against recompute and vLLM's own prefix hit", **kw)
+
+
+def comparison(**kw):
+    rows = comparison_rows()
+    return comparison_figure(rows, f"{rows[0]['model']} ({rows[0]['dtype']}), {int(rows[0]['prompt_tokens'])}-token "
+                                   f"prompts ({rows[0]['hardware']})", **kw)
+
+
+# Each figure function, called as its notebook calls it (arguments and title), on what it reads there.
 FIGURES = {
-    "memory_map": lambda **kw: memory_map(["LBHNC", "BLHNC", "ascend_kv_tuple"], miniature(LLAMA), **kw),
-    "atlas": lambda **kw: atlas([n for n, layout in LAYOUTS.items() if layout.requires is not Holds.MLA],
-                                miniature(LLAMA), **kw),
-    "segment_scaling": lambda **kw: segment_scaling(sweep(["LBHNC", "BLHNC", "flash_attn_v0.12"], LLAMA,
-                                                          [16, 64, 256, 1024], [16, 32]), "llama", **kw),
-    "segments_by_layout": lambda **kw: segments_by_layout(sweep(["LBHNC", "BLHNC", "flash_attn_v0.12"], LLAMA, [256],
-                                                                [16, 64]), "llama", **kw),
-    "transfer_ratios": lambda **kw: transfer_ratios(transfer_rows(), LLAMA.name, 1024, **kw),
-    "bandwidth_vs_tokens": lambda **kw: bandwidth_vs_tokens(transfer_rows(), LLAMA.name, "gather", **kw),
+    "memory_map": lambda **kw: memory_map(["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BHLNC"], miniature(LLAMA), **kw),
+    "atlas": lambda **kw: atlas(compatible_layouts(miniature(LLAMA)), miniature(LLAMA), **kw),
+    "segment_scaling": lambda **kw: segment_scaling(sweep(
+        ["LBHNC", "BLHNC", "flash_attn_v0.12", "ascend_kv_tuple"], LLAMA, [2 ** k for k in range(4, 14)],
+        [16, 32, 64, 128]), "Llama-3.1-8B, bf16, scattered blocks", **kw),
+    "segments_by_layout": lambda **kw: segments_by_layout(sweep(
+        compatible_layouts(LLAMA, chunk_formats=False), LLAMA, [256], [16, 64]),
+        "Llama-3.1-8B, bf16: moving 256 tokens from scattered blocks", **kw),
+    "transfer_ratios": lambda **kw: transfer_ratios(transfer_here(), LLAMA.name, 1024, **kw),
+    "bandwidth_vs_tokens": lambda **kw: bandwidth_vs_tokens(transfer_here(), LLAMA.name, "gather", **kw),
     "cost_model_figure": lambda **kw: cost_model_figure(cost_predictions(), **kw),
     "break_even_figure": lambda **kw: break_even_figure(
         [f for f in cost_fits() if f.method in ("segments", "gather")], LLAMA.num_layers, **kw),
     "layerwise_figure": lambda **kw: layerwise_figure(load_results(sorted(committed_results_dir().glob(
         "02_layerwise-*.jsonl"))), **kw),
     "hardware_figure": lambda **kw: hardware_figure(transfer_rows(), LLAMA.name, 1024, **kw),
-    "ttft_figure": lambda **kw: ttft_figure(ttft_rows(), "time to first token (cpu: AMD EPYC (2 cores))", **kw),
-    "hooks_timeline": lambda **kw: hooks_timeline(committed("03_timeline"), "a prefix loaded layer by layer", **kw),
-    "registration_figure": lambda **kw: registration_figure(committed("03_registration"), "save and reload", **kw),
-    "engine_layouts_figure": lambda **kw: engine_layouts_figure(committed("03_engine_layouts"), "in the engine", **kw),
-    "deployed_figure": lambda **kw: deployed_figure(committed("03_serving"), "vLLM's default processes", **kw),
-    "network_tier_figure": lambda **kw: network_tier_figure(committed("03_network"), "a prefix through Redis", **kw),
-    "roundtrip_figure": lambda **kw: roundtrip_figure(committed("04_roundtrip"), **kw),
-    "accuracy_figure": lambda **kw: accuracy_figure(*accuracy_tables(), "reuse paths", **kw),
-    "comparison_figure": lambda **kw: comparison_figure(comparison_rows(), "connectors", **kw),
+    "ttft_figure": ttft,
+    "hooks_timeline": timeline,
+    "registration_figure": registration,
+    "engine_layouts_figure": engine_layouts,
+    "deployed_figure": deployed,
+    "network_tier_figure": network,
+    "roundtrip_figure": lambda **kw: roundtrip_figure(records(committed("04_roundtrip")), **kw),
+    "accuracy_figure": accuracy,
+    "comparison_figure": comparison,
 }
 
 
@@ -127,31 +190,91 @@ def test_figures_name_each_series_once_in_readable_text(name, width):
         plt.close(fig)
 
 
-def test_two_machines_are_told_apart_in_every_legend():
-    """Two CPUs used to read "cpu" twice each in the break-even legend."""
-    import dataclasses
+@pytest.mark.parametrize("name", sorted(FIGURES))
+def test_bars_stand_on_zero_of_a_linear_axis(name):
+    """A bar's length is its value only from 0 on a linear axis; values spanning decades are
+    dots on a log axis instead."""
+    fig = FIGURES[name]()
+    try:
+        for ax in fig.axes:
+            for bars in (c for c in ax.containers if isinstance(c, matplotlib.container.BarContainer)):
+                axis = ax.xaxis if bars.orientation == "horizontal" else ax.yaxis
+                assert axis.get_scale() == "linear", f"{name}: bars on a {axis.get_scale()} axis"
+                assert min(axis.get_view_interval()) <= 0, f"{name}: bars on an axis that starts above 0"
+    finally:
+        plt.close(fig)
 
-    fits = [f for f in cost_fits() if f.method in ("segments", "gather")]
-    xeon = [dataclasses.replace(f, hardware="cpu: Intel(R) Xeon(R) Processor (2 cores)") for f in fits]
-    fig = break_even_figure(fits + xeon, LLAMA.num_layers)
+
+def test_methods_vs_ceiling_shows_every_method_and_names_directions_by_what_moves():
+    here = transfer_here()
+    fig = transfer_ratios(here, LLAMA.name, 1024)
+    measured = {r["method"] for r in here if r["status"] == "ok" and r["tokens"] == 1024 and r["target"] == "host"
+                and r["model"] == LLAMA.name}
+    assert "memcpy" in measured and measured <= set(common.legend_labels(fig))
+    assert [ax.get_title() for ax in fig.axes] == ["offload: paged cache → host buffer",
+                                                   "load: host buffer → paged cache"]
+    on_gpu = transfer_ratios([{**r, "hardware": "cuda: NVIDIA H200"} for r in here], LLAMA.name, 1024)
+    assert on_gpu.axes[0].get_title() == "offload: paged cache (cuda) → host buffer"
+    plt.close("all")
+
+
+def test_the_cost_model_states_its_misfit_per_method():
+    import statistics
+
+    predicted = cost_predictions()
+    fig = cost_model_figure(predicted)
     labels = common.legend_labels(fig)
-    assert len(labels) == 2 * len(fits) == len(set(labels))
-    assert sum("cpu: Intel Xeon (2 cores)" in label for label in labels) == len(fits)
-    assert sum("cpu: AMD EPYC (2 cores)" in label for label in labels) == len(fits)
+    for method in {r["method"] for r in predicted}:
+        median = statistics.median(100 * abs(r["error"]) for r in predicted if r["method"] == method)
+        assert any(label.startswith(f"{method} {median:.0f}% (") for label in labels), (method, labels)
+    assert "\n" not in fig.axes[0].get_ylabel()
+    plt.close(fig)
+
+
+def test_time_to_first_token_is_dots_under_the_models_name():
+    fig = FIGURES["ttft_figure"]()
+    assert fig.get_suptitle().startswith("SmolLM2-135M-Instruct: time to first token")
+    assert not fig.axes[0].patches and fig.axes[0].get_xscale() == "log"
+    plt.close(fig)
+
+
+def test_accuracy_draws_bitwise_equal_at_zero():
+    fig = FIGURES["accuracy_figure"]()
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    assert ax.get_xscale() == "symlog" and ax.get_xlim()[0] < 0 < ax.get_xlim()[1]
+    assert all((dots.get_offsets()[:, 0] == 0).all() for dots in ax.collections)  # the committed runs: bitwise
+    assert 0 in ax.get_xticks()
+    plt.close(fig)
+
+
+AMD, XEON = "cpu: AMD EPYC (2 cores)", "cpu: Intel Xeon (2 cores)"
+
+
+def test_two_machines_are_told_apart_in_every_legend():
+    """Two CPUs used to read "cpu" twice each in the break-even legend (the committed results
+    come from an AMD EPYC and an Intel Xeon)."""
+    fits = [f for f in cost_fits() if f.method in ("segments", "gather")]
+    fig = break_even_figure(fits, LLAMA.num_layers)
+    labels = common.legend_labels(fig)
+    assert len(labels) == len(fits) == len(set(labels))
+    for machine in (AMD, XEON):
+        assert sum(machine in label for label in labels) == sum(common.short_hardware(f.hardware) == machine
+                                                                for f in fits) > 0
 
     rows = transfer_rows()
-    both = rows + [{**r, "hardware": "cuda: NVIDIA H200"} for r in rows]
     fig = layerwise_figure([{**r, "hardware": h} for r in load_results(sorted(committed_results_dir().glob(
-        "02_layerwise-*.jsonl"))) for h in ("cpu: AMD EPYC (2 cores)", "cuda: NVIDIA H200")])
+        "02_layerwise-*.jsonl"))) for h in (AMD, "cuda: NVIDIA H200")])
     assert any(label.endswith("cuda: H200") for label in common.legend_labels(fig))
-    fig = hardware_figure(both, LLAMA.name, 1024)
-    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["cpu: AMD EPYC (2 cores)", "cuda: H200"]
+    fig = hardware_figure(rows + [{**r, "hardware": "cuda: NVIDIA H200"} for r in rows if r["hardware"] == AMD],
+                          LLAMA.name, 1024)
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == [AMD, XEON, "cuda: H200"]
     plt.close("all")
 
 
 def test_one_machine_is_named_in_the_legend_title():
-    fig = break_even_figure([f for f in cost_fits() if f.method == "gather"], LLAMA.num_layers)
-    assert fig.legends[0].get_title().get_text() == "cpu: AMD EPYC (2 cores)"
+    fig = break_even_figure([f for f in cost_fits() if f.method == "gather" and f.hardware == AMD], LLAMA.num_layers)
+    assert fig.legends[0].get_title().get_text() == AMD
     plt.close(fig)
 
 

@@ -35,9 +35,12 @@ def test_segment_scaling(tmp_path):
 def test_segments_by_layout():
     from kvlab.plotting import segments_by_layout
 
-    rows = sweep(["LBHNC", "BLHNC", "flash_attn_v0.12"], preset("llama-3.1-8b"), [256], [16, 64])
+    rows = sweep(["LBHNC", "BLHNC", "flash_attn_v0.12", "BHLNC"], preset("llama-3.1-8b"), [256], [16, 64])
     fig = segments_by_layout(rows, "llama")
-    assert len(fig.axes[0].patches) == 6
+    assert sum(len(dots.get_offsets()) for dots in fig.axes[0].collections) == 6  # a dot per block size and row
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["LBHNC", "BLHNC, BHLNC", "flash_attn_v0.12"]
+    assert " 512 × 64 KiB" not in [t.get_text() for t in fig.axes[0].texts] and "512 × 64 KiB" in [
+        t.get_text() for t in fig.axes[0].texts]
 
 
 def test_saved_figures_are_reproducible(tmp_path):
