@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvlab.cli import main
-from kvlab.experiments import bench, lmeval
+from kvlab.experiments import layerwise_timing, lmeval, sweep
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 SMALL_CONFIG = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 256}
@@ -113,7 +113,8 @@ def forbid(monkeypatch, module, *names: str) -> None:
 
 @pytest.fixture
 def no_measuring(monkeypatch):
-    forbid(monkeypatch, bench, "measure", "pipeline_timing", "attention_pipeline")
+    forbid(monkeypatch, sweep, "measure")
+    forbid(monkeypatch, layerwise_timing, "pipeline_timing", "attention_pipeline")
 
 
 @pytest.mark.parametrize(
@@ -201,3 +202,29 @@ def test_core_imports_torch_only():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_every_command_has_one_handler():
+    """The parser's commands and the handlers are the same set: no command falls through to
+    another's handler (the notebooks were once a bare else)."""
+    import argparse
+
+    from kvlab.cli import COMMANDS, build_parser
+
+    (commands,) = [a.choices for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    assert set(commands) == set(COMMANDS)
+
+
+def test_notebooks_and_report_commands_reach_their_handlers(monkeypatch, tmp_path):
+    import kvlab.plotting.report
+    import kvlab.runtime.notebooks
+
+    calls = []
+    monkeypatch.setattr(kvlab.runtime.notebooks, "run_notebooks", lambda **kw: calls.append(("notebooks", kw)))
+    monkeypatch.setattr(kvlab.plotting.report, "write_report", lambda *a: calls.append(("report", tuple(map(str, a)))))
+    assert main(["notebooks", "--only", "02", "--out", str(tmp_path), "--from-results"]) == 0
+    assert calls == [("notebooks", {"profile": "standard", "only": ["02"], "out": str(tmp_path), "measure": False}),
+                     ("report", (str(tmp_path / "notebooks"), str(tmp_path / "report")))]
+    calls.clear()
+    assert main(["report", "--notebooks-dir", "nb", "--out", "rep"]) == 0
+    assert calls == [("report", ("nb", "rep"))]

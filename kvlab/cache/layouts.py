@@ -67,9 +67,16 @@ class Layout:
     lmcache_peer: str | None = None
 
     def __post_init__(self) -> None:
-        assert sorted(self.order) == sorted(AXES) and self.order[-1] == "D", self.name
+        # user input (register_layout takes any Layout): raised, not asserted, so python -O keeps it
+        if sorted(self.order) != sorted(AXES) or self.order[-1] != "D":
+            raise ValueError(f"layout {self.name!r}: order must hold each of the axes {AXES} once, with D "
+                             f"innermost (last), got {self.order!r}")
+        if any(a not in self.order for a in self.split):
+            raise ValueError(f"layout {self.name!r}: split names axes of its order {AXES}, got {self.split!r}")
         kept = "".join(a for a in self.order if a not in "L" + self.split)
-        assert sorted(self.view_order) == sorted(kept), self.name
+        if sorted(self.view_order) != sorted(kept):
+            raise ValueError(f"layout {self.name!r}: view_order must hold each axis of the order outside the layer "
+                             f"axis and the split ones ({kept!r}) once, got {self.view_order!r}")
 
     @property
     def packs_parts(self) -> bool:

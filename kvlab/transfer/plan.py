@@ -54,7 +54,11 @@ class CopyPlan:
     """The runs a transfer copies, merged where both sides are contiguous, in bytes.
 
     Columns are int64 tensors of equal length: source tensor index and byte offset,
-    destination tensor index and byte offset, run length.
+    destination tensor index and byte offset, run length. The two-sided twin of
+    kvlab.cache.segments.Segments (where one selection's bytes lie in one cache): both
+    come out of merge_runs, but a copy's runs merge only where source and destination
+    both continue, so its count is not the source's Segments count, and what each
+    carries (addresses, the fused kernels' unit; a size histogram) is its own.
     """
 
     src_tensor: torch.Tensor

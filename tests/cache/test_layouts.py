@@ -155,3 +155,42 @@ def test_devices():
     if not npu_available():
         with pytest.raises(ValueError, match="'npu' is not available on this machine \\(install torch_npu\\)"):
             allocate("BLHNC", KV, 2, device="npu")
+
+
+_GOOD_LAYOUT = {"name": "mine", "family": "test", "order": "BNLHSD", "view_order": "BHNSD",
+                "view_shape": ("B", "H", "N", "SD"), "shape_text": "[B, H, N, C]", "note": ""}
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"order": "BNLHS"}, "order must hold each of the axes LBSNHD once, with D innermost"),
+    ({"order": "BNLHDS"}, "order must hold each of the axes LBSNHD once, with D innermost"),
+    ({"order": "BNLHSDD"}, "order must hold each of the axes"),
+    ({"split": "X"}, "split names axes"),
+    ({"view_order": "BHNS"}, r"view_order must hold each axis .*\('BNHSD'\) once, got 'BHNS'"),
+    ({"view_order": "BHNSD", "split": "S"}, r"view_order must hold .*\('BNHD'\)"),
+])
+def test_bad_layout_is_a_value_error(changes, message):
+    """What register_layout is handed is user input: a clear ValueError naming the layout."""
+    from kvlab.cache import Layout, register_layout
+
+    with pytest.raises(ValueError, match="layout 'mine': " + message):
+        register_layout(Layout(**{**_GOOD_LAYOUT, **changes}))
+    assert "mine" not in LAYOUTS
+    assert Layout(**_GOOD_LAYOUT).is_cross_layer  # the unchanged one is fine
+
+
+def test_bad_layout_is_refused_under_python_O():
+    """``python -O`` strips asserts: the check must survive it."""
+    import subprocess
+    import sys
+
+    code = ("from kvlab.cache import Layout\n"
+            "try:\n"
+            "    Layout('mine', 'test', 'BNLHS', 'BHNS', ('B',), '', '')\n"
+            "except ValueError as e:\n"
+            "    print('refused:', e)\n"
+            "else:\n"
+            "    print('accepted')\n")
+    done = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("refused: layout 'mine': order must hold"), done.stdout

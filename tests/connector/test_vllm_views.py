@@ -98,10 +98,17 @@ def test_old_generations_match_release_wheels(version, backend, kv_layout, cross
         ours = cache.layers[layer_name(index)]
         assert (tuple(ours.shape), ours.stride()) == (tuple(view.shape), view.stride()), layout.name
     if cross:
-        assert tuple(cache.cross_layer_tensor.shape) == tuple(cache.cross_layer_tensor.contiguous().shape)
-        assert cache.cross_layer_tensor.is_contiguous()
+        # what register_cross_layers_kv_cache receives: the physical buffer itself (not a
+        # copy), whose logical permutation cut by layer is exactly each layer's view
+        whole = cache.cross_layer_tensor
+        assert whole.is_contiguous() and whole.data_ptr() == cache.storage[0].data_ptr()
         physical = [((geometry.num_layers,) + tuple(cell["shape"]))[i] for i in order]
-        assert list(cache.cross_layer_tensor.shape) == physical
+        assert list(whole.shape) == physical
+        logical = whole.permute(*[order.index(i) for i in range(len(order))])
+        for index in range(geometry.num_layers):
+            ours, theirs = cache.layers[layer_name(index)], logical[index]
+            assert (ours.data_ptr(), tuple(ours.shape), ours.stride()) == (
+                theirs.data_ptr(), tuple(theirs.shape), theirs.stride()), (layout.name, index)
 
 
 def test_vllm_layout_lookup_errors():

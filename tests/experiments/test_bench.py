@@ -7,7 +7,7 @@ import pytest
 from kvlab import results
 from kvlab.cache import preset
 from kvlab.cli import main
-from kvlab.experiments import bench, costmodel
+from kvlab.experiments import bench, costmodel, layerwise_timing, sweep
 from kvlab.transfer import ALL_METHODS
 
 SMALL = preset("smollm2-135m").with_(num_layers=4)
@@ -108,7 +108,7 @@ def test_bench_cli(tmp_path, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--methods", "teleport"], "unknown method"),
     (["--layouts", "XYZ"], "unknown layout"),
-    (["--tokens", "0"], "--tokens must be positive"),
+    (["--tokens", "0"], "tokens must be positive, got [0]"),
     (["--tokens", "a,b"], "comma-separated list of int"),
     (["--device", "tpu"], "unknown device"),
 ])
@@ -118,35 +118,106 @@ def test_bench_cli_bad_input(argv, message, capsys):
 
 
 def test_layerwise_rows(tmp_path):
-    rows = bench.pipeline_timing(SMALL, 64, [0.5, 2], "cpu", repeats=1)
-    assert [r["intensity"] for r in rows] == [0.5, 2]
-    assert all(r["sequential_s"] > 0 and r["layerwise_s"] > 0 and r["speedup"] > 0 for r in rows)
+    """One row per intensity, the stand-in compute scaled to it: 4x the intensity is about
+    4x the matmuls per layer (each matmul is at most an eighth of a layer's load, so the
+    rounding is small against the count)."""
+    rows = layerwise_timing.pipeline_timing(SMALL, 64, [0.5, 2], "cpu", repeats=1)
+    assert [(r["intensity"], r["tokens"], r["num_layers"], r["kind"]) for r in rows] == [
+        (0.5, 64, 4, "layerwise"), (2, 64, 4, "layerwise")]
+    low, high = (r["matmuls_per_layer"] for r in rows)
+    assert low >= 1 and abs(high - 4 * low) <= 2, (low, high)
+    assert rows[0]["hidden"] == rows[1]["hidden"] in layerwise_timing._HIDDEN_SIZES
 
 
-def test_attention_sweep_rows(tmp_path):
+def test_overlap_timing_names_each_median():
+    """A clock that reports what each part costs (load 4 s, compute 2 s, overlapped 4.5 s):
+    each median lands under its own name, and the speedups follow from them."""
+    spent = []
+
+    def clock(fn):
+        spent.clear()
+        fn()
+        return sum(spent)
+
+    timing = layerwise_timing.overlap_timing(lambda: spent.append(4.0), lambda: spent.append(2.0),
+                                             lambda: spent.append(4.5), 8, clock, repeats=3)
+    assert timing == pytest.approx({"load_s": 4.0, "compute_s": 2.0, "sequential_s": 6.0, "layerwise_s": 4.5,
+                                    "speedup": 6.0 / 4.5, "ideal_speedup": 6.0 / (4.0 + 2.0 / 8)})
+
+
+def test_attention_sweep_rows(tmp_path, monkeypatch):
     """The attention stack over a loaded prefix: one row per model and prefix, appended
-    after the run record, with the timings and the intensity they give."""
+    after the run record, carrying what overlap_timing measured for that model's layers
+    and the intensity (compute over load) it gives."""
     (tmp_path / "config.json").write_text(
         '{"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 256}')
+    real, seen = layerwise_timing.overlap_timing, []
+
+    def timed(load, compute, layerwise, num_layers, clock, repeats, warmup=1):
+        seen.append((num_layers, repeats, real(load, compute, layerwise, num_layers, clock, repeats, warmup)))
+        return {**seen[-1][2], "load_s": 0.5, "compute_s": 1.5}
+
+    monkeypatch.setattr(layerwise_timing, "overlap_timing", timed)
     out = tmp_path / "02_attention.jsonl"
-    rows = bench.run_attention_sweep([str(tmp_path)], [16, 40], 4, "cpu", repeats=1, out=out)
+    rows = layerwise_timing.run_attention_sweep([str(tmp_path)], [16, 40], 4, "cpu", repeats=1, out=out)
     assert [(r["prefix_tokens"], r["new_tokens"], r["kind"]) for r in rows] == [(16, 4, "attention"), (40, 4, "attention")]
-    assert all(r["sequential_s"] > 0 and r["layerwise_s"] > 0 and r["intensity"] == r["compute_s"] / r["load_s"]
-               for r in rows)
+    assert [(layers, repeats) for layers, repeats, _ in seen] == [(2, 1), (2, 1)]
+    for row, (_, _, measured) in zip(rows, seen):
+        assert (row["num_layers"], row["load_s"], row["compute_s"], row["intensity"]) == (2, 0.5, 1.5, 3.0)
+        assert (row["sequential_s"], row["layerwise_s"]) == (measured["sequential_s"], measured["layerwise_s"])
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["record"] for r in records] == ["run", "row", "row"]
     assert {r["run_id"] for r in records} == {records[0]["run_id"]}
 
 
-def test_rows_are_written_as_measured(tmp_path):
+def test_rows_are_written_as_measured(tmp_path, monkeypatch):
     """A sweep cut short (the GPU script runs under a timeout) keeps the rows it measured."""
     out = results.default_results_path("02_transfer", "cpu", tmp_path)
     assert out.parent == tmp_path and out.name.startswith("02_transfer-cpu-")
-    configs = [bench.Config(SMALL, "LBHNC", "segments", "offload", 32)] * 2 + [bench.Config(SMALL, "LBHNC", "nosuch", "load", 32)]
-    with pytest.raises(ValueError, match="unknown method"):
+    real = sweep.measure
+
+    def cut_at_third(config, *args):
+        if config.direction == "load":
+            raise KeyboardInterrupt  # what the timeout's signal becomes
+        return real(config, *args)
+
+    monkeypatch.setattr(sweep, "measure", cut_at_third)
+    configs = [bench.Config(SMALL, "LBHNC", "segments", "offload", 32)] * 2 + [bench.Config(SMALL, "LBHNC", "segments", "load", 32)]
+    with pytest.raises(KeyboardInterrupt):
         bench.run_sweep(configs, "cpu", repeats=1, out=out)
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["record"] for r in records] == ["run", "row", "row"]
+
+
+def test_sweep_refuses_bad_input_before_it_measures(tmp_path, monkeypatch):
+    """An unknown method, a bad repeat count or something not a Config: a ValueError before
+    the run record is written (nothing half-measured to read back)."""
+    out = tmp_path / "r.jsonl"
+    monkeypatch.setattr(sweep, "measure", lambda *a: pytest.fail("measured before refusing"))
+    good = bench.Config(SMALL, "LBHNC", "segments", "offload", 32)
+    for configs, repeats, message in [
+        ([good, bench.Config(SMALL, "LBHNC", "nosuch", "load", 32)], 1, r"unknown method\(s\) \['nosuch'\]; choose from"),
+        ([good], 0, "repeats must be a positive integer, got 0"),
+        ([good], True, "repeats must be a positive integer, got True"),
+        ([good, ("LBHNC", "segments")], 1, "run_sweep measures Config objects"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            bench.run_sweep(configs, "cpu", repeats=repeats, out=out)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"tokens": [256, 0]}, r"tokens must be positive, got \[256, 0\]"),
+    ({"tokens": [2.5]}, "tokens must be positive"),
+    ({"layouts": ["LBHNC", "XYZ"]}, "unknown layout 'XYZ'"),
+    ({"methods": ["gather", "teleport"]}, r"unknown method\(s\) \['teleport'\]"),
+    ({"models": None}, r"a profile needs \['models', 'tokens', 'layouts', 'methods'\]; this one lacks \['models'\]"),
+])
+def test_configs_refuse_a_bad_profile(changes, message):
+    profile = {**bench.PROFILES["quick"], **changes}
+    profile = {k: v for k, v in profile.items() if v is not None}
+    with pytest.raises(ValueError, match=message):
+        bench.configs(profile)
 
 
 @pytest.mark.parametrize("changes, message", [

@@ -4,6 +4,8 @@ machines without a GPU), and its summary counts and ranks what it is given."""
 import json
 import os
 import subprocess
+import sys
+import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,8 @@ import pytest
 from kvlab.experiments import bench
 from kvlab.experiments.device_check import headline, junit_counts, summarize
 from kvlab.results import load_results
+from kvlab.transfer import METHODS
+from kvlab.transfer.registry import method_status
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,11 +29,37 @@ def test_dry_run_on_the_cpu(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads((tmp_path / "device-check-summary.json").read_text())
     assert summary["ok"] and set(summary["steps"]) == {"tests", "bench", "layerwise", "attention"}
-    assert summary["tests"]["passed"] > 100 and summary["tests"]["failed"] == summary["tests"]["errors"] == 0
+    counts = summary["tests"]
+    assert counts["failed"] == counts["errors"] == 0
+    # every test of the device suite ran: the only skips are the methods that cannot run on
+    # this device, each named (skip_unless_runs), so no part of the suite skips unseen
+    unavailable = {m for m in METHODS if method_status(m, *_cpu_caches()) is not None}
+    skips = [case.find("skipped").get("message", "")
+             for case in ElementTree.parse(tmp_path / "device-tests.xml").getroot().iter("testcase")
+             if case.find("skipped") is not None]
+    assert len(skips) == counts["skipped"] and counts["passed"] + len(skips) == _collected_device_tests()
+    assert {skip.split(":")[0].removeprefix("Skipped").strip() for skip in skips} <= unavailable, skips
+    assert counts["passed"] >= 0.75 * _collected_device_tests()
     assert summary["fingerprint"]["device"] == "cpu"
     assert any("dma: unavailable" in line for line in summary["rows"]["unavailable"])
     assert {h["direction"] for h in summary["headline"]} == {"offload", "load"}
     assert summary["attention_layerwise"] and len(list(tmp_path.iterdir())) <= 8  # what the device tool brings back
+
+
+def _cpu_caches():
+    from kvlab.cache import allocate, preset
+    from kvlab.transfer import host_buffer
+
+    cache = allocate("LBHNC", preset("smollm2-135m").with_(num_layers=2), 4)
+    return cache, host_buffer(cache, 2)
+
+
+def _collected_device_tests() -> int:
+    """How many tests the device suite holds on the CPU, as pytest collects them."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-m", "cuda", "-p", "no:cacheprovider",
+                           str(ROOT / "tests" / "transfer" / "test_device.py")],
+                          env={**os.environ, "KVLAB_DEVICE": "cpu"}, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    return len([line for line in done.stdout.splitlines() if "::" in line])
 
 
 def _row(method, layout, direction, ratio, cross=False, **extra):

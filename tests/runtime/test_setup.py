@@ -35,13 +35,48 @@ def test_installed_versions_are_the_pins():
         assert metadata.version(name) == version, name
 
 
-def test_cuda_only_packages_removed():
-    for name in ("torchvision", "torchaudio", "torchcodec"):
+TORCH_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
+
+
+def companion_problems(torch_cuda, installed):
+    """What is wrong with torch's companion packages: on a CPU-only torch (``torch_cuda``
+    None) any installed one is (PyPI's builds expect CUDA torch and break transformers);
+    on a GPU torch one built for another CUDA is. ``installed``: name -> its CUDA version
+    (None for a CPU build), for those installed."""
+    if torch_cuda is None:
+        return [f"{name} is installed; it breaks transformers against torch+cpu" for name in installed]
+    return [f"{name} is built for CUDA {cuda}, torch for CUDA {torch_cuda}"
+            for name, cuda in installed.items() if cuda != torch_cuda]
+
+
+def test_companion_rule_on_both_stacks():
+    assert companion_problems(None, {}) == []
+    assert companion_problems(None, {"torchvision": None}) == [
+        "torchvision is installed; it breaks transformers against torch+cpu"]
+    assert companion_problems("12.8", {"torchvision": "12.8", "torchaudio": "12.8"}) == []
+    assert companion_problems("12.8", {"torchvision": "12.6"}) == ["torchvision is built for CUDA 12.6, torch for CUDA 12.8"]
+
+
+def test_torch_companions_fit_torch():
+    """CPU-only torch (the pinned stack): torchvision, torchaudio and torchcodec removed. A
+    GPU torch: those installed are built for its CUDA (the GPU stacks ship them)."""
+    import importlib
+
+    import torch
+
+    installed = {}
+    for name in TORCH_COMPANIONS:
         try:
             metadata.version(name)
         except metadata.PackageNotFoundError:
             continue
-        raise AssertionError(f"{name} is installed; it breaks transformers against torch+cpu")
+        if torch.version.cuda is None:
+            installed[name] = None  # not imported: that import is what breaks
+        elif name == "torchvision":
+            installed[name] = importlib.import_module("torchvision").version.cuda
+        else:  # torchaudio and torchcodec do not say their CUDA version: they come with torch's
+            installed[name] = torch.version.cuda
+    assert companion_problems(torch.version.cuda, installed) == []
 
 
 def test_readme_commands_and_ci():

@@ -10,14 +10,13 @@ import json
 import signal
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from kvlab.cache.geometry import resolve_model
 from kvlab.cache.layouts import LAYOUTS, get_layout
 from kvlab.cache.segments import transfer_cost
+from kvlab.cli.parser import build_parser
 from kvlab.results import default_results_path
-from kvlab.runtime.notebooks import PROFILES
-from kvlab.transfer.registry import ALL_METHODS
 
 # what a service manager, Ctrl-C (or kill -INT) and a closed terminal send; SIGINT too because a
 # shell starts a script's background job with SIGINT ignored, and Python then leaves it so
@@ -49,6 +48,19 @@ def layout_report(args: argparse.Namespace) -> dict:
     }
 
 
+def run_layout(args: argparse.Namespace) -> int:
+    if args.list:
+        for name, layout in LAYOUTS.items():
+            print(f"{name:28s} {layout.family:28s} {layout.shape_text}")
+        return 0
+    report = layout_report(args)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_report(report)
+    return 0
+
+
 def print_report(report: dict) -> None:
     from kvlab.plotting.common import human_bytes
 
@@ -70,17 +82,6 @@ def print_report(report: dict) -> None:
         print(f"{key:<{width}}  {value}")
 
 
-def _positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1, else argparse's usage error naming the option."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
 def _csv(text: str | None, kind: type = str) -> list | None:
     if text is None:
         return None
@@ -90,9 +91,11 @@ def _csv(text: str | None, kind: type = str) -> list | None:
         raise ValueError(f"expected a comma-separated list of {kind.__name__}, got {text!r}") from None
 
 
-def run_bench(args: argparse.Namespace) -> None:
+def run_bench(args: argparse.Namespace) -> int:
     from kvlab.experiments import bench
 
+    if args.runs < 1:
+        raise ValueError(f"--runs must be at least 1, got {args.runs}")
     profile = dict(bench.PROFILES["quick" if args.quick else args.profile or "full"])
     for key, value in (("models", _csv(args.model)), ("tokens", _csv(args.tokens, int)),
                        ("layouts", _csv(args.layouts)), ("methods", _csv(args.methods))):
@@ -100,19 +103,10 @@ def run_bench(args: argparse.Namespace) -> None:
             profile[key] = value
             if key in ("models", "tokens"):  # the sizes asked for, and only those
                 profile.pop("extra_tokens", None)
-    if any(t <= 0 for t in profile["tokens"]):
-        raise ValueError(f"--tokens must be positive, got {profile['tokens']}")
-    for layout in profile["layouts"]:
-        get_layout(layout)
-    unknown = [m for m in profile["methods"] if m not in ALL_METHODS]
-    if unknown:
-        raise ValueError(f"unknown method(s) {unknown}; choose from {list(ALL_METHODS)}")
+    configs = bench.configs(profile, dtype=args.dtype, block_size=args.block_size)  # refuses a bad profile
     stem = "02_ceiling" if args.profile == "ceiling" else "02_transfer"  # notebook 02 reads each its own way
     out = None if args.no_save else args.out or default_results_path(stem, args.device, args.results_dir)
-    configs = bench.configs(profile, dtype=args.dtype, block_size=args.block_size)
     repeats = profile["repeats"] if args.repeats is None else args.repeats
-    if args.runs < 1:
-        raise ValueError(f"--runs must be at least 1, got {args.runs}")
     rows = []
     for _ in range(args.runs):  # back to back, each its own run record
         rows += bench.run_sweep(configs, args.device, repeats=repeats, out=out)
@@ -121,14 +115,14 @@ def run_bench(args: argparse.Namespace) -> None:
         print(bench.format_targets(bench.ceiling_targets(rows)))
     if out:
         print(f"appended {len(rows)} rows to {out}")
+    return 0
 
 
-def run_layerwise(args: argparse.Namespace) -> None:
+def run_layerwise(args: argparse.Namespace) -> int:
     from kvlab.experiments import bench
 
     if args.compute == "attention":
-        run_attention_layerwise(args)
-        return
+        return run_attention_layerwise(args)
     out = None if args.no_save else args.out or default_results_path("02_layerwise", args.device, args.results_dir)
     rows = bench.run_pipeline_sweep(_csv(args.model), _csv(args.tokens, int), _csv(args.intensities, float),
                                     args.device, args.repeats, out=out)
@@ -138,9 +132,10 @@ def run_layerwise(args: argparse.Namespace) -> None:
               f"speedup {row['speedup']:.2f} (ideal {row['ideal_speedup']:.2f})")
     if out:
         print(f"appended {len(rows)} rows to {out}")
+    return 0
 
 
-def run_attention_layerwise(args: argparse.Namespace) -> None:
+def run_attention_layerwise(args: argparse.Namespace) -> int:
     from kvlab.experiments import bench
 
     out = None if args.no_save else args.out or default_results_path("02_attention", args.device, args.results_dir)
@@ -153,6 +148,7 @@ def run_attention_layerwise(args: argparse.Namespace) -> None:
               f"speedup {row['speedup']:.2f} (ideal {row['ideal_speedup']:.2f})")
     if out:
         print(f"appended {len(rows)} rows to {out}")
+    return 0
 
 
 def run_device_summary(args: argparse.Namespace) -> int:
@@ -287,6 +283,23 @@ def run_lab(args: argparse.Namespace, jupyter_args: Sequence[str]) -> int:
             signal.signal(sig, handler)
 
 
+def run_report(args: argparse.Namespace) -> int:
+    from kvlab.plotting.report import write_report
+
+    write_report(args.notebooks_dir, args.out)
+    return 0
+
+
+def run_notebooks(args: argparse.Namespace) -> int:
+    """Execute the notebooks headless into ``--out``, then rebuild the report from them."""
+    from kvlab.plotting.report import write_report
+    from kvlab.runtime.notebooks import run_notebooks as execute
+
+    execute(profile=args.profile, only=args.only, out=args.out, measure=not args.from_results)
+    write_report(Path(args.out) / "notebooks", Path(args.out) / "report")
+    return 0
+
+
 def _interrupt(signum: int, frame: Any) -> None:
     """The first stop signal is a Ctrl-C; later ones are ignored, so they do not cut the stop short."""
     for sig in STOP_SIGNALS:
@@ -294,161 +307,31 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
+# one handler per command: each takes the parsed arguments and the ones argparse did not
+# know (only lab accepts any: they go to jupyter lab), and returns the exit status
+COMMANDS: dict[str, Callable[[argparse.Namespace, Sequence[str]], int]] = {
+    "layout": lambda args, extra: run_layout(args),
+    "notebooks": lambda args, extra: run_notebooks(args),
+    "report": lambda args, extra: run_report(args),
+    "bench": lambda args, extra: run_bench(args),
+    "layerwise": lambda args, extra: run_layerwise(args),
+    "models": lambda args, extra: run_models(args),
+    "lmeval": lambda args, extra: run_lmeval(args),
+    "loadtest": lambda args, extra: run_loadtest(args),
+    "device-summary": lambda args, extra: run_device_summary(args),
+    "lab": run_lab,
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvlab", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    lay = sub.add_parser("layout", help="what moving T tokens costs in one layout")
-    lay.add_argument("--layout", default="LBHNC", help=f"one of: {', '.join(LAYOUTS)}")
-    lay.add_argument("--model", default="llama-3.1-8b", help="a preset or a Hugging Face model folder")
-    lay.add_argument("--dtype", default=None, help="KV dtype (default: the model's, bf16 for presets)")
-    lay.add_argument("--tokens", type=int, default=256)
-    lay.add_argument("--block-size", type=int, default=16)
-    lay.add_argument("--block-ids", default="scattered", help="scattered, contiguous, or ids like 3,7,9")
-    lay.add_argument("--num-blocks", type=int, default=None, help="blocks in the cache (default 4x needed)")
-    lay.add_argument("--seed", type=int, default=0)
-    lay.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    lay.add_argument("--list", action="store_true", help="list the layouts and exit")
-
-    nb = sub.add_parser("notebooks", help="execute the notebooks headless, writing data/")
-    nb.add_argument("--profile", choices=PROFILES, default="standard",
-                    help="standard: minutes, the slowest engine sweeps drawn from the committed paper results; "
-                         "paper: every sweep in full (over an hour on 2 cores); quick: as the tests run them")
-    nb.add_argument("--only", nargs="*", default=None, help="notebook names (default: all)")
-    nb.add_argument("--out", default="data", help="where figures and executed notebooks go")
-    nb.add_argument("--from-results", action="store_true",
-                    help="measure nothing: redraw every figure from the committed results")
-
-    rep = sub.add_parser("report", help="rebuild data/report/index.html from the executed notebooks")
-    rep.add_argument("--notebooks-dir", default="data/notebooks", help="the executed notebooks")
-    rep.add_argument("--out", default="data/report", help="where index.html goes")
-
-    bench = sub.add_parser("bench", help="time offload and load against this machine's copy ceiling")
-    bench.add_argument("--profile", choices=["quick", "standard", "full", "gpu", "ceiling", "dry"], default=None,
-                       help="a preset sweep (default: full's methods and layouts for the models given)")
-    bench.add_argument("--quick", action="store_true", help="the quick profile: under a minute on a small CPU")
-    bench.add_argument("--model", default=None, help="comma-separated presets or model folders")
-    bench.add_argument("--tokens", default=None, help="comma-separated token counts, e.g. 256,1024,4096")
-    bench.add_argument("--layouts", default=None, help="comma-separated layouts")
-    bench.add_argument("--methods", default=None, help="comma-separated methods and peers")
-    bench.add_argument("--dtype", default=None)
-    bench.add_argument("--block-size", type=int, default=16)
-    bench.add_argument("--device", default="auto", help="auto, cpu, cuda or npu")
-    bench.add_argument("--repeats", type=int, default=None)
-    bench.add_argument("--runs", type=int, default=1, help="sweeps back to back (the ceiling targets hold over three)")
-    bench.add_argument("--out", default=None, help="JSONL file to append to (default data/results/02_transfer-<hardware>.jsonl)")
-    bench.add_argument("--results-dir", default=None, help="where the default-named JSONL goes (default data/results)")
-    bench.add_argument("--no-save", action="store_true", help="print only")
-
-    lw = sub.add_parser("layerwise", help="layer-by-layer loading overlapped with compute, against load-then-compute")
-    lw.add_argument("--model", default="llama-3.1-8b,qwen3-30b-a3b")
-    lw.add_argument("--tokens", default="256,1024")
-    lw.add_argument("--intensities", default="0.25,0.5,1,2,4", help="per-layer compute time / load time")
-    lw.add_argument("--device", default="auto")
-    lw.add_argument("--repeats", type=int, default=5)
-    lw.add_argument("--compute", choices=["matmul", "attention"], default="matmul",
-                    help="matmul: a stand-in tuned to each intensity; attention: kvlab's tiny attention stack over "
-                         "the loaded prefix, through the hooks (rows go to 02_attention-<hardware>.jsonl)")
-    lw.add_argument("--new-tokens", type=_positive_int, default=128,
-                    help="with --compute attention: tokens computed over the prefix")
-    lw.add_argument("--out", default=None, help="JSONL file (default data/results/02_layerwise-<hardware>.jsonl)")
-    lw.add_argument("--results-dir", default=None, help="where the default-named JSONL goes (default data/results)")
-    lw.add_argument("--no-save", action="store_true")
-
-    models = sub.add_parser("models", help="prepare or list the local model folders (SmolLM2, a tiny Llama)")
-    models_sub = models.add_subparsers(dest="action", required=True)
-    prepare = models_sub.add_parser("prepare", help="build the folders that are missing (SmolLM2 from its GGUF)")
-    prepare.add_argument("--only", choices=["smollm2", "tiny", "minis"], default=None,
-                         help="one family (default: all)")
-    listing = models_sub.add_parser("list", help="which folders are prepared, where, and their size")
-    for models_parser in (prepare, listing):
-        models_parser.add_argument("--models-dir", default=None,
-                                   help="where the folders are (default $KVLAB_MODELS_DIR or data/models)")
-
-    ev = sub.add_parser("lmeval", help="lm-eval's vLLM backend on local gsm8k-style problems, with/without KVLabConnector")
-    ev.add_argument("--model", default="smollm2-135m-instruct-fp32", help="a prepared model name or a model folder")
-    ev.add_argument("--connector", choices=["none", "kvlab", "vllm-prefix-cache", "both", "all"], default="both",
-                    help="both: none and kvlab; all: also vLLM's own prefix cache (the control)")
-    ev.add_argument("--limit", type=int, default=8, help="problems evaluated")
-    ev.add_argument("--num-fewshot", type=int, default=5)
-    ev.add_argument("--max-gen-toks", type=int, default=200)
-    ev.add_argument("--seed", type=int, default=0, help="problem generator and engine seed")
-    ev.add_argument("--task-dir", default=None, help="where the task folder is written (default: a temporary one)")
-
-    load = sub.add_parser("loadtest", help="KVLabConnector through vllm serve under load and injected faults, "
-                                           "every response against its same-split control")
-    load.add_argument("--model", default="smollm2-135m-instruct-fp32", help="a prepared model name or a model folder")
-    load.add_argument("--requests", type=int, default=240)
-    load.add_argument("--clients", type=int, default=16, help="concurrent clients (and vLLM's max_num_seqs)")
-    load.add_argument("--num-gpu-blocks", type=int, default=96, help="KV cache blocks of 32 tokens: a small cache")
-    load.add_argument("--fault-interval", type=float, default=1.0, help="seconds between injected faults")
-    load.add_argument("--connector", choices=["kvlab", "none"], default="kvlab",
-                      help="none: vLLM's own prefix cache under the same load, no faults (the batching baseline)")
-    load.add_argument("--measure", choices=["serve", "memory", "integrity"], default="serve",
-                      help="serve: the load test; memory: the worker's RSS over --requests unique prompts with a "
-                           "512 MiB memory tier; integrity: CRC32C and HMAC-SHA256 cost per byte")
-    load.add_argument("--out", default=None, help="results file (default: data/results/05_load_test-<machine>.jsonl)")
-
-    summary = sub.add_parser("device-summary", help="summarize a scripts/device-check run (the folder it wrote)")
-    summary.add_argument("out", help="the device check's $OUT")
-    summary.add_argument("--step", action="append", default=[], metavar="NAME=RC:SECONDS",
-                         help="how a step of the script ended (repeatable)")
-
-    lab = sub.add_parser("lab", help="JupyterLab on the notebooks, on 127.0.0.1 (other options go to jupyter lab)",
-                         description="JupyterLab on the notebooks, on 127.0.0.1, as root too. Options not listed here "
-                                     "go to jupyter lab as they are, written --Name=value, e.g. "
-                                     "--ServerApp.shutdown_no_activity_timeout=3600.")
-    lab.add_argument("notebook", nargs="?", default=None,
-                     help="open just this notebook, e.g. 05 or 05_extend_kvlab.ipynb "
-                          "(default: the tabs JupyterLab saved last)")
-    lab.add_argument("--port", type=int, default=None, help="default: a free one")
-    lab.add_argument("--token", default=None, help="default: a random one, printed in the URL; '' turns the login off")
-    lab.add_argument("--no-browser", action="store_true", help="do not open the desktop's browser")
-    lab.add_argument("--notebooks-dir", default=None,
-                     help="default: the repository's notebooks/; JupyterLab serves copies in lab/ beside it")
-
+    parser = build_parser()
     args, jupyter_args = parser.parse_known_args(argv)
     if jupyter_args and args.command != "lab":
         parser.error(f"unrecognized arguments: {' '.join(jupyter_args)}")
     try:
-        if args.command == "layout":
-            if args.list:
-                for name, layout in LAYOUTS.items():
-                    print(f"{name:28s} {layout.family:28s} {layout.shape_text}")
-                return 0
-            report = layout_report(args)
-            if args.json:
-                print(json.dumps(report, indent=2))
-            else:
-                print_report(report)
-        elif args.command == "bench":
-            run_bench(args)
-        elif args.command == "layerwise":
-            run_layerwise(args)
-        elif args.command == "models":
-            return run_models(args)
-        elif args.command == "lmeval":
-            return run_lmeval(args)
-        elif args.command == "loadtest":
-            return run_loadtest(args)
-        elif args.command == "device-summary":
-            return run_device_summary(args)
-        elif args.command == "report":
-            from kvlab.plotting.report import write_report
-
-            write_report(args.notebooks_dir, args.out)
-        elif args.command == "lab":
-            return run_lab(args, jupyter_args)
-        else:
-            from kvlab.runtime.notebooks import run_notebooks
-
-            from kvlab.plotting.report import write_report
-
-            run_notebooks(profile=args.profile, only=args.only, out=args.out, measure=not args.from_results)
-            write_report(Path(args.out) / "notebooks", Path(args.out) / "report")
+        return COMMANDS[args.command](args, jupyter_args)
     # what a user's input or machine causes (a bad value, a missing or unwritable file, a
     # missing package), each with its own message; anything else is a bug: a traceback
     except (ValueError, OSError, OverflowError, ModuleNotFoundError) as exc:
         print(f"kvlab: error: {exc}", file=sys.stderr)
         return 2
-    return 0
