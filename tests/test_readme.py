@@ -1,7 +1,7 @@
-"""Every code block of README.md runs as written, and the numbers it prints are the committed
-results', so the README cannot rot.
+"""Every code block of README.md and of docs/*.md runs as written, and the numbers their tables
+print are the committed results', so neither the README nor the docs it links can rot.
 
-The policy of each block lives beside it in the README, as an HTML comment on the line right
+The policy of each block lives beside it in its file, as an HTML comment on the line right
 before the fence (invisible on GitHub):
 
 - none: a fast test runs it;
@@ -35,6 +35,9 @@ from kvlab.runtime.servers import check_port_free
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+# The README and the reference pages it links: every code block and every checked table of any
+# of them is tested the same way (a table moved from one to another is still found).
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
 PYTHON = ROOT / ".venv" / "bin" / "python"
 
 # The commands that build what the README's blocks need, or the whole suite: running them from a
@@ -57,7 +60,8 @@ SERVER_START_TIMEOUT_S = 900
 
 @dataclass(frozen=True)
 class Block:
-    """One fenced code block of the README, with the section it sits in and its policy."""
+    """One fenced code block of the README (or a docs/ page), with the section it sits in and
+    its policy."""
 
     language: str
     code: str
@@ -65,15 +69,17 @@ class Block:
     section: str
     policy: str = "fast"
     detail: str = ""  # the reason to skip, or the URL a server answers on
+    path: str = "README.md"  # the file, relative to the repository root
 
     @property
     def id(self) -> str:
-        return f"{re.sub(r'[^a-z0-9]+', '-', self.section.lower()).strip('-')}-L{self.line}"
+        where = "" if self.path == "README.md" else re.sub(r"[^a-z0-9]+", "-", Path(self.path).stem.lower()) + "-"
+        return f"{where}{re.sub(r'[^a-z0-9]+', '-', self.section.lower()).strip('-')}-L{self.line}"
 
 
-def readme_blocks(text: str) -> list[Block]:
-    """The fenced blocks of ``text`` in order; a marker names an unknown policy, or a fence is
-    left open: a clear error."""
+def readme_blocks(text: str, path: str = "README.md") -> list[Block]:
+    """The fenced blocks of ``text`` (the file at ``path``) in order; a marker names an unknown
+    policy, or a fence is left open: a clear error."""
     blocks, section, lines = [], "top", text.splitlines()
     number = 0
     while number < len(lines):
@@ -86,17 +92,18 @@ def readme_blocks(text: str) -> list[Block]:
             continue
         end = next((i for i in range(number + 1, len(lines)) if lines[i].startswith("```")), None)
         if end is None:
-            raise ValueError(f"README.md:{number + 1}: a fence that is never closed")
+            raise ValueError(f"{path}:{number + 1}: a fence that is never closed")
         policy, detail = "fast", ""
         marker = MARKER.fullmatch(lines[number - 1].strip()) if number else None
         if marker:
             policy, detail = marker[1], marker[2] or ""
             if policy not in POLICIES:
-                raise ValueError(f"README.md:{number}: unknown readme-test policy {policy!r}; choose from {POLICIES}")
+                raise ValueError(f"{path}:{number}: unknown readme-test policy {policy!r}; choose from {POLICIES}")
             if policy in ("skip", "server") and not detail:
                 needs = "reason" if policy == "skip" else "URL"
-                raise ValueError(f"README.md:{number}: readme-test: {policy} needs its ({needs})")
-        blocks.append(Block(opening[1], "\n".join(lines[number + 1:end]) + "\n", number + 1, section, policy, detail))
+                raise ValueError(f"{path}:{number}: readme-test: {policy} needs its ({needs})")
+        blocks.append(Block(opening[1], "\n".join(lines[number + 1:end]) + "\n", number + 1, section, policy, detail,
+                            path))
         number = end + 1
     return blocks
 
@@ -161,7 +168,7 @@ def check_ran(result: subprocess.CompletedProcess, what: str) -> None:
 
 def run_block(block: Block, tmp_path: Path) -> None:
     timeout = SLOW_TIMEOUT_S if block.policy == "slow" else FAST_TIMEOUT_S
-    where = f"README.md:{block.line} ({block.section})"
+    where = f"{block.path}:{block.line} ({block.section})"
     if block.language == "python":
         script = tmp_path / f"readme_L{block.line}.py"
         script.write_text(block.code)
@@ -235,7 +242,11 @@ def _post_json(url: str, body: dict) -> dict:
         return json.load(response)
 
 
-BLOCKS = readme_blocks(README.read_text())
+def relative(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+BLOCKS = [block for doc in DOCS for block in readme_blocks(doc.read_text(), relative(doc))]
 
 
 def params(*policies: str) -> list:
@@ -260,15 +271,15 @@ def test_readme_block_slow(block: Block, tmp_path: Path):
     (run_server if block.policy == "server" else run_block)(block, tmp_path)
 
 
-@pytest.mark.parametrize("path", ["README.md", "docs/lmeval.md"])
-def test_every_connector_example_recomputes_a_failed_load(path):
-    """A user copies these: with vLLM's default kv_load_failure_policy ("fail") a load that
-    fails its check fails the request instead of being recomputed."""
-    examples = [b for b in readme_blocks((ROOT / path).read_text()) if "KVLabConnector" in b.code]
-    assert examples
+def test_every_connector_example_recomputes_a_failed_load():
+    """A user copies these (the README's, docs/lmeval.md's, any docs page's): with vLLM's
+    default kv_load_failure_policy ("fail") a load that fails its check fails the request
+    instead of being recomputed."""
+    examples = [b for b in BLOCKS if "KVLabConnector" in b.code]
+    assert {"README.md", "docs/lmeval.md"} <= {b.path for b in examples}
     for block in examples:
         assert re.search(r"""["']?kv_load_failure_policy["']?\s*[=:]\s*["']recompute["']""", block.code), \
-            f"{path}:{block.line} configures KVLabConnector without kv_load_failure_policy recompute"
+            f"{block.path}:{block.line} configures KVLabConnector without kv_load_failure_policy recompute"
 
 
 def test_readme_blocks_have_a_runner():
@@ -286,16 +297,32 @@ def test_console_parsing():
         readme_blocks("<!-- readme-test: later -->\n```python\npass\n```\n")
     with pytest.raises(ValueError, match="never closed"):
         readme_blocks("```python\npass\n")
+    with pytest.raises(ValueError, match=r"docs/x\.md:1: unknown"):
+        readme_blocks("<!-- readme-test: later -->\n```python\npass\n```\n", "docs/x.md")
 
 
-# The README's numbers against the committed results they come from (read as the notebooks read
-# them, through kvlab.results), rounded as printed.
+def test_docs_blocks_are_collected():
+    """The docs pages' blocks are checked as the README's are, each named by its file."""
+    paths = {block.path for block in BLOCKS}
+    assert "README.md" in paths and "docs/lmeval.md" in paths
+    assert all(block.id.startswith(Path(block.path).stem.lower()) for block in BLOCKS if block.path != "README.md")
+
+
+# The numbers of the README and docs/ against the committed results they come from (read as the
+# notebooks read them, through kvlab.results), rounded as printed.
+
+def docs_text() -> str:
+    """The README and every docs page, one after the other (for the sentences the tests check)."""
+    return "\n".join(doc.read_text() for doc in DOCS)
+
 
 def readme_table(header: str) -> list[list[str]]:
-    """Body cells (bold marks dropped) of the README table whose header row starts with ``header``."""
-    lines = README.read_text().splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith(header)), None)
-    assert start is not None, f"README.md has no table headed {header!r}"
+    """Body cells (bold marks dropped) of the first table, in README.md or else a docs/ page (in
+    name order), whose header row starts with ``header``."""
+    found = [(doc, i) for doc in DOCS for i, line in enumerate(doc.read_text().splitlines()) if line.startswith(header)]
+    assert found, f"neither README.md nor docs/*.md has a table headed {header!r}"
+    doc, start = found[0]
+    lines = doc.read_text().splitlines()
     rows = []
     for line in lines[start + 2:]:
         if not line.startswith("|"):
@@ -376,7 +403,7 @@ def test_readme_ceiling_targets():
     targets = ceiling_targets(rows)
     best = {name: spread([t["ratio"] for t in targets if t["target"] == name])
             for name in ("cross-layer", "per-layer", "LHBNC")}
-    text = " ".join(README.read_text().split())
+    text = " ".join(docs_text().split())
     assert (f"cross-layer {best['cross-layer']} (target 0.95), best per-layer {best['per-layer']} (target 0.9), "
             f"LHBNC {best['LHBNC']} (target 0.7)") in text
     native = spread([t["native_ratio"] for t in targets if t["target"] == "cross-layer"])

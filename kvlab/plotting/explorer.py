@@ -44,7 +44,7 @@ MAX_LAYERS, MAX_HEADS, TOKEN_SCALE, MAX_DRAWN_TOKENS = 4, 2, 16, 64
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 TOKENS = tuple(2**k for k in range(4, 15))
 # The estimate: an offload by the fastest batched copy method measured on a machine (memcpy
-# moves every segment in one call, gather in one per tensor: the README's transfer tables show
+# moves every segment in one call, gather in one per tensor: docs/results.md's transfer tables show
 # them hide nearly all the cost of a copy), fitted on its transfer timings.
 DIRECTION, BATCHED = "offload", ("memcpy", "gather")
 TRANSFER_RESULTS = ("02_transfer-*.jsonl", "02_ceiling-*.jsonl")
