@@ -12,6 +12,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvlab.store.secrets import read_auth_key, redact, resolve_redis_url
+from kvlab.store.tiers import shared_tier_names, tier_names
 from kvlab.transfer.registry import METHODS
 
 CROSS_LAYER_LAYOUT = "BLHNC"
@@ -19,8 +20,9 @@ CROSS_LAYER_LAYOUT = "BLHNC"
 SHARED_ROOTS = ("/", "/dev/shm", "/tmp", "/run/shm", "/var/tmp")
 STORE_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]+")
 # Where chunks can live, in the order a lookup tries them: the worker's own memory, files
-# in a host-shared memory folder, files on disk, a Redis server.
-TIERS = ("memory", "shm", "disk", "redis")
+# in a host-shared memory folder, files on disk, a Redis server (kvlab.store.tiers' registry,
+# read again at every parse: a tier registered later is accepted too).
+TIERS = tier_names()
 # The key bounding each tier's bytes (the Redis server bounds its own).
 BUDGETS = {"memory": "store_bytes", "shm": "shm_bytes", "disk": "disk_bytes"}
 
@@ -123,7 +125,8 @@ class ConnectorConfig:
                 raise ValueError("KVLabConnector: give either store (a shorthand) or tiers, not both")
             tiers = extra["tiers"]
             if not isinstance(tiers, (list, tuple)) or not tiers or not all(isinstance(t, str) for t in tiers):
-                raise ValueError(f"KVLabConnector: tiers must be a list of tier names from {list(TIERS)}, got {tiers!r}")
+                raise ValueError(f"KVLabConnector: tiers must be a list of tier names from {list(tier_names())}, "
+                                 f"got {tiers!r}")
             extra["tiers"] = tuple(tiers)
         config = cls(**extra)
         if config.hooks and not config.layerwise:
@@ -132,9 +135,10 @@ class ConnectorConfig:
         if config.store not in ("cpu", "disk"):
             raise ValueError(f"KVLabConnector: store must be 'cpu' or 'disk', got {config.store!r}")
         tiers = config.tier_names
-        bad = [t for t in tiers if t not in TIERS]
+        known = tier_names()
+        bad = [t for t in tiers if t not in known]
         if bad or len(set(tiers)) != len(tiers):
-            raise ValueError(f"KVLabConnector: tiers must name each of {list(TIERS)} at most once, got {list(tiers)}")
+            raise ValueError(f"KVLabConnector: tiers must name each of {list(known)} at most once, got {list(tiers)}")
         if "disk" in tiers and not config.disk_path:
             raise ValueError("KVLabConnector: the disk tier (store 'disk') needs disk_path (a folder)")
         if config.disk_path and "disk" not in tiers:
@@ -174,7 +178,8 @@ class ConnectorConfig:
     @property
     def shared_tiers(self) -> tuple[str, ...]:
         """The tiers every process sees (a scheduler looks them up itself)."""
-        return tuple(t for t in self.tier_names if t != "memory")
+        shared = shared_tier_names()
+        return tuple(t for t in self.tier_names if t in shared)
 
     @property
     def shm_folder(self) -> str:

@@ -21,63 +21,20 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvlab.cache.allocation import KVCache, allocate
-from kvlab.cache.geometry import ModelGeometry
+from kvlab.cache.allocation import KVCache
 from kvlab.connector.config import ConnectorConfig
-from kvlab.connector.geometry import on_cpu
 from kvlab.connector.messages import KVLabMetadata, KVLabWorkerMeta, LoadSpec, SaveSpec
+from kvlab.connector.registration import cross_layer_decision, runs_per_block, tensor_parallel_rank
 from kvlab.connector.stores import ConnectorStats, worker_store
 from kvlab.connector.weights import watch_weight_loads, weights_epoch
 from kvlab.store.chunk import Chunk
-from kvlab.store.keys import holds, shard_key, signature
+from kvlab.store.keys import signature
 from kvlab.transfer.common import in_callers_mode
 from kvlab.transfer.engine import Transfer, host_buffer, run_all
 from kvlab.transfer.layerwise import LayerwiseLoad
-from kvlab.transfer.plan import copy_plan
 from kvlab.transfer.registry import method_status
 
 logger = logging.getLogger("kvlab.connector")
-
-
-@functools.lru_cache(maxsize=32)
-def runs_per_block(layout: str, geometry: ModelGeometry, num_blocks: int, per_layer: bool) -> int:
-    """Contiguous runs one cache block occupies (summed over layers when ``per_layer``:
-    a layer-by-layer copy cannot merge across layers). Planned on the meta device."""
-    cache = allocate(layout, geometry, num_blocks, "meta")
-    one = allocate(layout, geometry, 1, "meta")
-    if not per_layer:
-        return copy_plan(cache, [0], one, [0]).segments
-    return sum(copy_plan(cache, [0], one, [0], [i]).segments for i in range(geometry.num_layers))
-
-
-def tensor_parallel_rank() -> tuple[int, int]:
-    """(rank, workers) of this worker; (0, 1) outside a vLLM worker."""
-    try:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-
-        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-    except (AssertionError, ImportError):
-        return 0, 1
-
-
-def cross_layer_decision(asked: bool, cache: KVCache) -> str:
-    """What became of ``enable_cross_layers_blocks``, and why, for the registration line."""
-    if not asked:
-        return "cross-layer blocks not asked for"
-    if cache.layout.is_cross_layer:
-        return "cross-layer blocks asked for and granted"
-    if cache.geometry.is_mla:
-        why = ("an MLA latent cache stays layer-major (vLLM's RFC #45997; CPU_MLA's cache update views each layer "
-               "as one [tokens, C] matrix, which a block-major buffer cannot give)")
-    elif on_cpu():
-        from kvlab.connector.backend import installed
-
-        why = ("vLLM's CPU_ATTN declares LBHNC only and kvlab's attention backend is not loaded: VLLM_PLUGINS "
-               "leaves out 'kvlab', or kvlab is not installed in this environment" if not installed()
-               else "VLLM_KV_CACHE_LAYOUT or another attention group chose a layer-major layout")
-    else:
-        why = "this platform's attention backends do not all declare BLHNC"
-    return f"cross-layer blocks asked for, given per-layer {cache.layout.name}: {why}"
 
 
 @dataclass
@@ -192,44 +149,24 @@ class WorkerSide:
             groups[-1][1].append(source.position)
             groups[-1][2].append(block_id)
             groups[-1][3].append(source.block_key)
-        return [(self._fetch(*ident, dict(zip(positions, keys))), positions, block_ids)
-                for ident, positions, block_ids, keys in groups]
+        # fetched tail first: each read marks its chunk used, so a prompt's head outlives its tail
+        chunks = [self._fetch(*ident, dict(zip(positions, keys))) for ident, positions, _, keys in reversed(groups)]
+        return [(chunk, positions, block_ids) for chunk, (_, positions, block_ids, _) in zip(chunks[::-1], groups)]
 
     def _fetch(self, tier: str, chunk_key: str, expect: dict[int, str] | None = None) -> Chunk | None:
         """The chunk from the tier the scheduler named, else from the next shared tier that
-        holds it (a file another process evicted, a damaged copy), checked: of this cache, and
-        holding at each position the block ``expect`` names there (this worker's shard of it in
-        a shared tier); None when no tier can give it. Every tier that could not is reported,
-        so the scheduler stops routing loads there."""
-        expect = {position: key for position, key in (expect or {}).items() if key}
-        shards = {position: shard_key(key, self.rank, self.workers) for position, key in expect.items()}
-        for name in [tier] + [t.name for t in self.store.shared if t.name != tier]:
-            chunk = self._read(name, chunk_key)
-            wanted = expect if name == "memory" else shards  # a shared tier holds this worker's shard
-            if (chunk is not None and chunk.signature == self.signature
-                    and all(holds(chunk.block_keys, position, key) for position, key in wanted.items())):
-                self.stats.fallback_loads += name != tier
-                return chunk
-            with self._lock:
-                self._missed.add((name, chunk_key))
-        return None
-
-    def _read(self, tier: str, chunk_key: str) -> Chunk | None:
-        if tier == "memory":
-            with self._lock:
-                chunk = self.store.memory.get(chunk_key)
-            if chunk is not None and self.config.verify == "always" and not chunk.intact():
-                self.store.stats.corrupt += 1
-                with self._lock:  # gone here; the scheduler forgets it everywhere
-                    self.store.memory.discard(chunk_key)
-                    self._failed.add(chunk_key)
-                return None
-            return chunk
-        shared = self.store.tier(tier)
-        chunk = shared.get(chunk_key)
-        if chunk is not None:
-            shared.touch(chunk_key)  # eviction follows use, not write time
-        return chunk
+        holds it, checked by the store: of this cache, and holding at each position the block
+        ``expect`` names there (this worker's shard of it in a shared tier); None when no tier
+        can give it. Every tier that could not is reported, so the scheduler stops routing
+        loads there (and forgets a memory chunk that failed its check everywhere)."""
+        found = self.store.fetch(chunk_key, self.signature, tier=tier, shard=(self.rank, self.workers),
+                                 blocks={position: key for position, key in (expect or {}).items() if key})
+        self.stats.fallback_loads += found.chunk is not None and found.tier != tier
+        with self._lock:
+            self._missed.update((name, chunk_key) for name in found.missed)
+            if found.dropped:  # gone here; the scheduler forgets it everywhere
+                self._failed.add(chunk_key)
+        return found.chunk
 
     def _fail(self, req_id: str, block_ids: list[int]) -> None:
         """Blocks of ``req_id`` that did not load: vLLM recomputes them, and none of the
@@ -381,14 +318,8 @@ class WorkerSide:
             buffer = copied.buffer
             self.stats.save_segments += self._segments(len(spec.block_ids), per_layer)
             chunk = Chunk(list(spec.block_keys), buffer, self.signature).seal()
-            if spec.memory:
-                with self._lock:
-                    kept = self.store.memory.put(chunk)
-            if spec.shared and self.store.shared:
-                shard = Chunk([shard_key(k, self.rank, self.workers) for k in spec.block_keys], buffer,
-                              chunk.signature, chunk.crc)
-                for tier in self.store.shared:
-                    tier.put(shard)
+            kept = self.store.save(chunk, memory=spec.memory, shared=spec.shared,
+                                   shard=(self.rank, self.workers)).memory
             self.stats.saved_blocks += len(spec.block_ids)
         except Exception as error:  # nothing of it is stored; the request goes on
             self.stats.save_errors += 1
@@ -404,12 +335,9 @@ class WorkerSide:
 
     def _drop(self, chunk_keys: list[str], everything: bool) -> None:
         """Forget what the scheduler evicted (or everything, after a reset)."""
-        with self._lock:
-            if everything:
-                self.store.clear()
-            for key in chunk_keys:
-                self.store.stats.evicted += key in self.store.memory
-                self.store.memory.discard(key)
+        if everything:
+            self.store.clear()
+        self.store.evict(chunk_keys)
 
     def handle_preemptions(self, meta: KVLabMetadata | None) -> None:
         """A preempted request's blocks are about to be reused: its saves finish first."""

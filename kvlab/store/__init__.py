@@ -1,10 +1,11 @@
 """Where offloaded KV is kept: checked chunks (kvlab.store.chunk) under chained keys
-(kvlab.store.keys), in tiers behind one protocol (kvlab.store.tiers: memory, disk)
-composed by :class:`KVStore`. Needs torch only; docs/reliability.md says what it promises."""
+(kvlab.store.keys), in tiers behind one protocol and a registry (kvlab.store.tiers: memory,
+shm, disk, redis) composed by :class:`KVStore`. Needs torch only (redis-py for the Redis
+tier); docs/reliability.md says what it promises."""
 
 from kvlab.store.chunk import Chunk, checksum
 from kvlab.store.keys import block_hashes, folder_fingerprint, shard_key, signature, valid_key
-from kvlab.store.store import KVStore
+from kvlab.store.store import Fetched, KVStore, Stored
 from kvlab.store.tiers import (
     RETRY_FIRST_S,
     RETRY_MAX_S,
@@ -15,11 +16,14 @@ from kvlab.store.tiers import (
     SharedMemoryTier,
     StoreStats,
     Tier,
+    register_tier,
+    tier_names,
 )
 
 __all__ = [
     "RedisTier", "SharedMemoryTier",
     "shard_key",
     "valid_key", "block_hashes", "signature", "folder_fingerprint", "checksum", "Chunk", "RETRY_FIRST_S",
-    "RETRY_MAX_S", "STALE_TMP_S", "StoreStats", "Tier", "MemoryTier", "DiskTier", "KVStore",
+    "RETRY_MAX_S", "STALE_TMP_S", "StoreStats", "Tier", "MemoryTier", "DiskTier", "KVStore", "Fetched", "Stored",
+    "register_tier", "tier_names",
 ]

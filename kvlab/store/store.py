@@ -1,20 +1,48 @@
 """Where KVLabConnector keeps offloaded KV: :class:`KVStore` composes the tiers (memory,
-then host-shared memory, disk and Redis). A chunk that fails its checksum, whose file header does not parse, or that was
-written for another model or layout is a miss (and is dropped), never loaded. A full
-store evicts least recently *used* chunks, a prompt's tail before its head; a tier that
-fails (a full or read-only disk) is logged once, counted and paused; no error of a tier
-ever reaches a request. docs/reliability.md says what the store promises."""
+then host-shared memory, disk and Redis: every tier kvlab.store.tiers registers) and is the
+connector's one way in. A chunk that fails its checksum, whose file header does not parse,
+or that was written for another model or layout is a miss (and is dropped), never loaded. A
+full store evicts least recently *used* chunks; a tier that fails (a full or read-only disk)
+is logged once, counted and paused; no error of a tier ever reaches a request.
+docs/reliability.md says what the store promises."""
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Mapping
 
 from kvlab.store.chunk import Chunk
-from kvlab.store.keys import holds, valid_key
-from kvlab.store.tiers import DiskTier, MemoryTier, RedisTier, SharedMemoryTier, StoreStats, Tier
+from kvlab.store.keys import holds, shard_key, valid_key
+from kvlab.store.tiers import DiskTier, MemoryTier, StoreStats, Tier, open_tiers
+
+# (rank, workers): the shard of each block a worker writes to and reads from the shared tiers.
+WHOLE = (0, 1)
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """What :meth:`KVStore.fetch` found: the checked chunk (None on a miss), the tier that
+    gave it, every tier tried that could not, and whether the memory tier's copy failed its
+    check and was dropped."""
+
+    chunk: Chunk | None
+    tier: str | None = None
+    missed: tuple[str, ...] = ()
+    dropped: bool = False
+
+
+@dataclass(frozen=True)
+class Stored:
+    """What :meth:`KVStore.put` kept: in memory or not, and the shared tiers that took it.
+    True when any tier did."""
+
+    memory: bool
+    shared: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return self.memory or bool(self.shared)
 
 
 @dataclass
@@ -32,6 +60,10 @@ class KVStore:
     a shared tier with an HMAC-SHA256 and refuses one read without a valid MAC (``forged``):
     a CRC stops damage, not a writer who recomputes it; a writer without the key, the same
     user included, cannot forge a chunk.
+
+    Thread-safe: one lock guards the memory tier. The shared tiers' reads and writes run
+    outside it (each is safe for several processes at once), so a memory hit never waits
+    for a disk or Redis write.
     """
 
     capacity_bytes: int = 2 << 30
@@ -54,133 +86,149 @@ class KVStore:
             raise ValueError(f"verify must be 'always' or 'disk', got {self.verify!r}")
         if self.auth_key is not None and (not isinstance(self.auth_key, bytes) or len(self.auth_key) < 16):
             raise ValueError("auth_key must be at least 16 bytes (e.g. os.urandom(32)), or None")
+        self.shm_path = None if self.shm_path is None else Path(self.shm_path)
+        self.disk_path = None if self.disk_path is None else Path(self.disk_path)
         self._lock = threading.RLock()
-        self.memory = MemoryTier(self.capacity_bytes, self.stats)
-        self.shared: list[Tier] = []
-        if self.shm_path is not None:
-            self.shm_path = Path(self.shm_path)
-            self.shared.append(SharedMemoryTier(self.shm_path, self.shm_capacity_bytes, self.stats, self.auth_key))
-        if self.disk_path is not None:
-            self.disk_path = Path(self.disk_path)
-            self.shared.append(DiskTier(self.disk_path, self.disk_capacity_bytes, self.stats, self.auth_key))
-        if self.redis_url is not None:
-            self.shared.append(RedisTier(self.redis_url, self.stats, auth_key=self.auth_key))
+        tiers = open_tiers(self)
+        own = [tier for tier in tiers if not tier.shared]
+        if [tier.name for tier in own] != ["memory"]:
+            raise ValueError(f"a store needs exactly one tier of its process's own, 'memory'; the registered tiers "
+                             f"opened {[tier.name for tier in own]}")
+        self._memory: MemoryTier = own[0]
+        self._shared: tuple[Tier, ...] = tuple(tier for tier in tiers if tier.shared)
+
+    # ---- what it is made of (read-only) ------------------------------------------------
+    @property
+    def shared(self) -> tuple[Tier, ...]:
+        """The shared tiers, in lookup order (a scheduler looks them up through the Tier protocol)."""
+        return self._shared
 
     @property
     def disk(self) -> DiskTier | None:
         """The disk tier, if there is one."""
-        return next((tier for tier in self.shared if tier.name == "disk"), None)
+        return next((tier for tier in self._shared if tier.name == "disk"), None)
 
     def tier(self, name: str) -> Tier:
         """A tier by name ("memory", "shm", "disk", "redis")."""
-        for tier in [self.memory, *self.shared]:
+        for tier in (self._memory, *self._shared):
             if tier.name == name:
                 return tier
-        raise ValueError(f"this store has no {name!r} tier; it has {[t.name for t in [self.memory, *self.shared]]}")
+        raise ValueError(f"this store has no {name!r} tier; it has {[t.name for t in (self._memory, *self._shared)]}")
 
     @property
     def bytes(self) -> int:
         """Bytes held in memory."""
-        return self.memory.bytes
+        return self._memory.bytes
 
-    # ---- lookups -------------------------------------------------------------------
-    def locate(self, block_key: str) -> tuple[str, int] | None:
-        """(chunk key, position in the chunk) of a stored block, in the first tier that has it."""
-        with self._lock:
-            for tier in [self.memory, *self.shared]:
-                found = tier.locate(block_key)
-                if found is not None:
-                    return found
-            return None
-
-    def get(self, chunk_key: str, expect: str | None = None) -> Chunk | None:
-        """The chunk, checked (checksum and, when given, signature); None on a miss.
-        A chunk found only in a shared tier is read, checked and (``promote``) kept in
-        memory if it fits."""
-        with self._lock:
-            chunk = self.memory.get(chunk_key)
-            if chunk is not None:
-                if self.verify == "always" and not chunk.intact():
-                    self.stats.corrupt += 1
-                    self.discard(chunk_key)
-                    return None
-            elif valid_key(chunk_key):
-                for tier in self.shared:  # a chunk's header names it: a swapped file is a miss
-                    chunk = tier.get(chunk_key)
-                    if chunk is not None:
-                        break
-                if chunk is None:
-                    return None
-                if self.promote and chunk.nbytes <= self.memory.capacity_bytes:
-                    self.memory.put(chunk)
+    # ---- reads -------------------------------------------------------------------------
+    def fetch(self, chunk_key: str, expect: str | None = None, *, tier: str = "memory",
+              blocks: Mapping[int, str] | None = None, shard: tuple[int, int] = WHOLE) -> Fetched:
+        """The chunk from ``tier``, else from the next shared tier that holds it (a file
+        another process evicted, a damaged copy), checked: intact (a shared tier's always,
+        memory's with ``verify="always"``: a damaged one is dropped), of signature ``expect``
+        when given, and holding at each position the block ``blocks`` names there (in a
+        shared tier: the ``shard`` (rank, workers) of it). A chunk read from a shared tier is
+        marked used, and kept in memory with ``promote`` if it fits."""
+        names = [t.name for t in (self._memory, *self._shared)]
+        if tier not in names:
+            raise ValueError(f"this store has no {tier!r} tier; it has {names}")
+        first = self._memory if tier == "memory" else self.tier(tier)
+        order = [first, *(t for t in self._shared if t is not first)]
+        missed, dropped = [], False
+        for source in order:
+            if source is self._memory:
+                chunk, dropped = self._from_memory(chunk_key)
+                wanted = blocks
             else:
-                return None
-            if expect is not None and chunk.signature != expect:
+                chunk = source.get(chunk_key) if valid_key(chunk_key) else None
+                wanted = blocks if shard == WHOLE else {p: shard_key(k, *shard) for p, k in (blocks or {}).items()}
+            if chunk is not None and expect is not None and chunk.signature != expect:
                 self.stats.mismatched += 1
-                return None
-            return chunk
+                chunk = None
+            if chunk is not None and all(holds(chunk.block_keys, p, k) for p, k in (wanted or {}).items()):
+                if source is not self._memory:
+                    source.touch(chunk_key)  # eviction follows use, not write time
+                    self._promote(chunk, shard)
+                return Fetched(chunk, source.name, tuple(missed), dropped)
+            missed.append(source.name)
+        return Fetched(None, None, tuple(missed), dropped)
 
-    def matched_blocks(self, block_keys: Sequence[str], expect: str | None = None) -> list[tuple[Chunk, int]]:
-        """The leading run of ``block_keys`` the store can deliver, as (chunk, position)
-        per block; every chunk it touches is checked once. Holding the chunks keeps
-        their bytes alive until they are loaded, even if the store evicts them. The
-        chunks are marked used from the last to the first, so a prompt's head outlives
-        its tail, as vLLM's own prefix cache frees blocks."""
-        out: list[tuple[Chunk, int]] = []
-        checked: dict[str, Chunk | None] = {}
+    def get(self, chunk_key: str, expect: str | None = None, *, tier: str = "memory",
+            blocks: Mapping[int, str] | None = None, shard: tuple[int, int] = WHOLE) -> Chunk | None:
+        """:meth:`fetch`'s chunk: checked, None on a miss."""
+        return self.fetch(chunk_key, expect, tier=tier, blocks=blocks, shard=shard).chunk
+
+    def _from_memory(self, chunk_key: str) -> tuple[Chunk | None, bool]:
+        """The memory tier's chunk, checked with ``verify="always"``; (None, True) when it
+        was damaged and dropped."""
         with self._lock:
-            for key in block_keys:
-                found = self.locate(key)
-                if found is None:
-                    break
-                chunk_key, position = found
-                if chunk_key not in checked:
-                    checked[chunk_key] = self.get(chunk_key, expect)
-                chunk = checked[chunk_key]
-                if chunk is None or not holds(chunk.block_keys, position, key):
-                    break
-                out.append((chunk, position))
-            self._mark_used([c for c in dict.fromkeys(c.key for c, _ in out)][::-1])
-        return out
+            chunk = self._memory.get(chunk_key)
+            if chunk is not None and self.verify == "always" and not chunk.intact():
+                self.stats.corrupt += 1
+                self._memory.discard(chunk_key)
+                return None, True
+            return chunk, False
 
-    # ---- updates -------------------------------------------------------------------
+    def _promote(self, chunk: Chunk, shard: tuple[int, int]) -> None:
+        if self.promote and shard == WHOLE and chunk.nbytes <= self._memory.capacity_bytes:
+            with self._lock:
+                self._memory.put(chunk)
+
+    # ---- updates -----------------------------------------------------------------------
     def put(self, chunk: Chunk) -> bool:
-        """Keep a sealed chunk in memory (evicting least recently used chunks) and write
-        it through to disk. Returns False when no tier took it; never raises for a tier's
-        fault: a full or failing store never fails a request."""
+        """Keep a sealed chunk in memory and write it through to every shared tier
+        (:meth:`save`); False when no tier took it."""
+        return bool(self.save(chunk))
+
+    def save(self, chunk: Chunk, *, memory: bool = True, shared: bool = True, shard: tuple[int, int] = WHOLE) -> Stored:
+        """Keep a sealed chunk in memory (``memory``: evicting least recently used chunks)
+        and write it through to every shared tier (``shared``: its ``shard`` (rank, workers),
+        under the shard's keys); what took it. Never raises for a tier's fault: a full or
+        failing store never fails a request."""
+        rank, workers = shard
+        if not (isinstance(rank, int) and isinstance(workers, int) and 0 <= rank < workers):
+            raise ValueError(f"shard must be (rank, workers) with 0 <= rank < workers, got {shard!r}")
         with self._lock:
-            kept = self.memory.put(chunk)
-            written = [tier.put(chunk) for tier in self.shared]
-            self.stats.stored += kept or any(written)
-            return kept or any(written)
+            kept = memory and self._memory.put(chunk)
+        written: tuple[str, ...] = ()
+        if shared and self._shared:
+            copy = chunk if shard == WHOLE else Chunk([shard_key(k, rank, workers) for k in chunk.block_keys],
+                                                      chunk.buffer, chunk.signature, chunk.crc)
+            written = tuple([tier.name for tier in self._shared if tier.put(copy)])
+        stored = Stored(kept, written)
+        self.stats.stored += bool(stored)
+        return stored
 
     def discard(self, chunk_key: str, disk: bool = True) -> None:
         """Forget a chunk (and its copies in the shared tiers, unless ``disk`` is False)."""
         with self._lock:
-            self.memory.discard(chunk_key)
-            if disk and valid_key(chunk_key):
-                for tier in self.shared:
-                    tier.discard(chunk_key)
+            self._memory.discard(chunk_key)
+        if disk and valid_key(chunk_key):
+            for tier in self._shared:
+                tier.discard(chunk_key)
+
+    def evict(self, chunk_keys: Iterable[str]) -> int:
+        """Let these chunks leave memory (what the scheduler evicted; the shared tiers keep
+        theirs), counted in ``evicted``; how many were held."""
+        with self._lock:
+            held = [key for key in chunk_keys if key in self._memory]
+            for key in held:
+                self._memory.discard(key)
+            self.stats.evicted += len(held)
+        return len(held)
 
     def clear(self) -> None:
-        """Empty the memory tier (the disk tier stays): the next loads come from disk."""
+        """Empty the memory tier (the shared tiers stay): the next loads come from them."""
         with self._lock:
-            for chunk in self.memory.chunks():
-                self.memory.discard(chunk.key)
+            self._memory.clear()
 
     def memory_chunks(self) -> list[Chunk]:
         """The chunks held in memory (least recently used first)."""
         with self._lock:
-            return self.memory.chunks()
+            return self._memory.chunks()
 
     def __len__(self) -> int:
-        return len(self.memory)
+        return len(self._memory)
 
     def __contains__(self, chunk_key: str) -> bool:
-        return chunk_key in self.memory
-
-    def _mark_used(self, chunk_keys: Sequence[str]) -> None:
-        for key in chunk_keys:
-            self.memory.get(key)
-            for tier in self.shared:
-                tier.touch(key)
+        return chunk_key in self._memory

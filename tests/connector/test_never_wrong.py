@@ -289,3 +289,23 @@ def test_engines_with_other_chunk_sizes_sharing_a_folder_never_load_a_block_from
     for i in range(loaded):
         assert all(torch.equal(x, y) for x, y in zip(blocks(a_worker, [5 + i]), computed[i])), \
             f"block {i} loaded is the block its key names"
+
+
+def test_a_load_reads_its_chunks_tail_first(tmp_path, monkeypatch) -> None:
+    """Each read marks a chunk used (a file's mtime), so reading a prompt's chunks from the
+    last to the first leaves its head the last to be evicted, as vLLM frees its own blocks."""
+    extra = {"tiers": ["disk"], "disk_path": str(tmp_path), "chunk_size": 2 * BS}
+    scheduler, worker = connector_pair(GQA, NUM_BLOCKS, extra)
+    register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
+    fill(worker, [0, 1, 2, 3], seed=5)
+    prefill(scheduler, worker, "a", PROMPT, [0, 1, 2, 3, 4])
+    store, read = worker.worker.store, []
+    fetch = store.fetch
+    monkeypatch.setattr(store, "fetch", lambda key, *a, **k: read.append(key) or fetch(key, *a, **k))
+    request = vllm_request("b", PROMPT)
+    hit, _ = scheduler.get_num_new_matched_tokens(request, 0)
+    scheduler.update_state_after_alloc(request, None, hit)
+    step(scheduler, worker, schedule("b", PROMPT, [5, 6, 7, 8, 9], hit))
+    keys = scheduler.scheduler._requests["b"].keys  # a chunk's key is its last block's
+    assert hit == 4 * BS and worker.stats.load_errors == 0
+    assert read == [keys[3], keys[1]], "the tail's chunk first"

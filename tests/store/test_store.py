@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvlab.cache import ModelGeometry, allocate
-from kvlab.store import Chunk, KVStore, block_hashes, signature
+from kvlab.store import Chunk, Fetched, KVStore, Stored, block_hashes, shard_key, signature
 
 GEOMETRY = ModelGeometry("store-test", 2, 2, 32, torch.bfloat16, 16)
 
@@ -36,13 +36,59 @@ def test_block_hashes_chain_the_prefix() -> None:
     assert block_hashes(tokens, 16, "other model") != a
 
 
-def test_lookup_returns_the_leading_run() -> None:
+def test_a_fetch_checks_the_blocks_it_was_asked_for() -> None:
+    """The worker's read: a chunk holding another block where one was expected is a miss."""
     store = KVStore()
     c = chunk(1, blocks=3)
     assert store.put(c)
-    assert [p for _, p in store.matched_blocks(c.block_keys)] == [0, 1, 2]
-    assert len(store.matched_blocks(["missing"] + c.block_keys)) == 0
-    assert len(store.matched_blocks(c.block_keys[:2] + ["missing"])) == 2
+    assert store.get(c.key, c.signature, blocks=dict(enumerate(c.block_keys))) is c
+    assert store.get(c.key, blocks={1: c.block_keys[1]}) is c
+    found = store.fetch(c.key, blocks={0: c.block_keys[1]})
+    assert found.chunk is None and found.missed == ("memory",) and not found.dropped
+    assert store.get("0" * 32) is None and store.get("not a key") is None
+
+
+def test_a_fetch_tries_the_named_tier_then_the_shared_ones(tmp_path: Path) -> None:
+    store = KVStore(disk_path=tmp_path / "disk", shm_path=tmp_path / "shm")
+    c = chunk(1)
+    assert store.save(c) == Stored(True, ("shm", "disk"))
+    found = store.fetch(c.key, c.signature, tier="disk")
+    assert found == Fetched(found.chunk, "disk") and same_bytes(found.chunk, c) and store.stats.disk_reads == 1
+    (tmp_path / "disk" / f"{c.key}.kvchunk").unlink()  # another process evicted it
+    found = store.fetch(c.key, c.signature, tier="disk")
+    assert found.tier == "shm" and found.missed == ("disk",) and same_bytes(found.chunk, c)
+    store.evict([c.key])
+    found = store.fetch(c.key, c.signature)  # memory first, then every shared tier
+    assert found.tier == "shm" and found.missed == ("memory",)
+    with pytest.raises(ValueError, match="no 'redis' tier"):
+        store.fetch(c.key, tier="redis")
+
+
+def test_a_worker_writes_and_reads_its_shard(tmp_path: Path) -> None:
+    """Under tensor parallelism rank r writes its shard of each block under the shard's key;
+    its memory tier holds the blocks' own keys."""
+    c = chunk(1)
+    store = KVStore(disk_path=tmp_path, promote=False)
+    assert store.save(c, shard=(1, 2)) == Stored(True, ("disk",)) and c.key in store
+    shards = [shard_key(key, 1, 2) for key in c.block_keys]
+    assert (tmp_path / f"{shards[-1]}.kvchunk").exists() and not (tmp_path / f"{c.key}.kvchunk").exists()
+    blocks = dict(enumerate(c.block_keys))
+    got = store.get(shards[-1], c.signature, tier="disk", blocks=blocks, shard=(1, 2))
+    assert got is not None and got.block_keys == shards and same_bytes(got, c)
+    assert store.get(shards[-1], tier="disk", blocks=blocks, shard=(0, 2)) is None, "another rank's shard"
+    assert store.save(c, memory=False, shared=False) == Stored(False) and not Stored(False)
+    with pytest.raises(ValueError, match="shard must be"):
+        store.save(c, shard=(2, 2))
+
+
+def test_evict_and_clear_leave_the_shared_tiers(tmp_path: Path) -> None:
+    store = KVStore(disk_path=tmp_path)
+    a, b = chunk(1), chunk(2)
+    store.put(a), store.put(b)
+    assert store.evict([a.key, "0" * 32]) == 1 and store.stats.evicted == 1 and a.key not in store
+    store.clear()
+    assert len(store) == 0 and store.bytes == 0
+    assert store.get(a.key) is not None and store.get(b.key) is not None  # from disk
 
 
 def test_lru_eviction_within_the_budget() -> None:
@@ -91,7 +137,7 @@ def test_disk_tier_survives_a_new_store(tmp_path: Path) -> None:
     got = fresh.get(c.key)
     assert got is not None and same_bytes(got, c) and got.buffer.layout.name == "BLHNC"
     assert got.block_keys == c.block_keys and fresh.stats.disk_reads == 1
-    assert fresh.matched_blocks(c.block_keys)[-1][1] == 1
+    assert fresh.tier("disk").locate(c.block_keys[-1]) == (c.key, 1)
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "header", "empty"])
@@ -112,7 +158,7 @@ def test_damaged_file_is_a_miss_and_removed(tmp_path: Path, damage: str) -> None
     fresh = KVStore(disk_path=tmp_path)
     assert fresh.get(c.key) is None
     assert fresh.stats.corrupt == 1 and not path.exists()
-    assert fresh.matched_blocks(c.block_keys) == []
+    assert fresh.get(c.key, blocks=dict(enumerate(c.block_keys))) is None
 
 
 def test_stray_files_are_ignored(tmp_path: Path) -> None:

@@ -12,13 +12,16 @@ import multiprocessing
 import os
 import struct
 import subprocess
+import time
+import types
 from pathlib import Path
 
 import pytest
 import torch
 
 from kvlab.cache import ModelGeometry, allocate
-from kvlab.store import Chunk, KVStore, block_hashes, folder_fingerprint, signature
+from kvlab.store import RETRY_FIRST_S, Chunk, KVStore, block_hashes, folder_fingerprint, signature
+from kvlab.store.tiers import backoff
 from kvlab.store import chunk as chunk_format
 
 GEOMETRY = ModelGeometry("fault-test", 2, 2, 32, torch.bfloat16, 16)
@@ -34,6 +37,11 @@ def chunk(tag: int, blocks: int = 2) -> Chunk:
 
 def same_bytes(a: Chunk, b: Chunk) -> bool:
     return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a.buffer.storage, b.buffer.storage))
+
+def hit(store: KVStore, c: Chunk, **options: object) -> Chunk | None:
+    """``c`` as a worker fetches it (the production path): its signature and blocks."""
+    return store.get(c.key, c.signature, blocks=dict(enumerate(c.block_keys)), **options)
+
 
 
 def file_of(folder: Path, c: Chunk) -> Path:
@@ -73,7 +81,8 @@ def test_a_failing_disk_is_logged_once_counted_paused_and_retried(tmp_path, monk
     assert caplog.text.count("cannot write") == 1
     assert all(store.get(chunk(tag).key) is not None for tag in range(5))
     monkeypatch.undo()
-    store.disk._paused_until = 0.0  # the back-off has passed
+    later = time.monotonic() + RETRY_FIRST_S  # the back-off has passed
+    monkeypatch.setattr(backoff, "time", types.SimpleNamespace(monotonic=lambda: later))
     assert store.put(chunk(9)) and file_of(tmp_path, chunk(9)).exists()
 
 
@@ -112,9 +121,9 @@ def test_a_read_only_folder_with_a_corrupt_chunk(tmpfs: Path) -> None:
     file_of(tmpfs, bad).write_bytes(bytes(data))
     subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)], check=True)
     store = KVStore(disk_path=tmpfs)
-    assert store.matched_blocks(bad.block_keys) == []  # a miss; its file cannot be removed
+    assert hit(store, bad) is None  # a miss; its file cannot be removed
     assert store.stats.corrupt == 1 and store.stats.delete_errors == 1
-    assert store.matched_blocks(bad.block_keys) == [] and store.stats.disk_reads == 1, "not read again"
+    assert store.disk.locate_many(bad.block_keys) == [None, None] and store.stats.disk_reads == 1, "not offered again"
     got = store.get(good.key)
     assert got is not None and same_bytes(got, good)
     assert store.put(chunk(3)) and store.stats.write_errors == 1  # kept in memory, not on disk
@@ -143,9 +152,9 @@ def test_single_bit_flips_in_a_header_are_never_fatal(tmp_path: Path) -> None:
         data[bit // 8] ^= 1 << (bit % 8)
         path.write_bytes(bytes(data))
         store = KVStore(disk_path=tmp_path)
-        got = store.matched_blocks(original.block_keys)
+        got = hit(store, original)
         if got:
-            assert same_bytes(got[0][0], original)
+            assert same_bytes(got, original)
             outcomes["hit"] += 1
         else:
             outcomes["miss"] += 1
@@ -181,7 +190,7 @@ def test_hand_made_headers_are_skipped_and_counted(tmp_path: Path, case: str) ->
     else:
         write_raw(path, HAND_MADE[case])
     store = KVStore(disk_path=tmp_path)  # starts
-    assert store.locate("0" * 32) is None and store.get("0" * 32) is None
+    assert store.disk.locate("0" * 32) is None and store.get("0" * 32) is None
     assert store.stats.bad_headers + store.stats.corrupt >= 1
     c = chunk(1)
     assert store.put(c) and store.get(c.key) is c  # and works
@@ -201,7 +210,7 @@ def test_a_planted_key_never_deletes_outside_the_folder(tmp_path: Path) -> None:
     header["block_keys"][0] = "../elsewhere/precious"
     write_raw(path, header, data[end:])
     store = KVStore(disk_path=folder)
-    store.matched_blocks(c.block_keys), store.get(c.key), store.discard(c.key)
+    hit(store, c), store.get(c.key), store.discard(c.key)
     with pytest.raises(ValueError, match="not a chunk key"):
         store.disk.discard("../elsewhere/precious")
     assert precious.read_text() == "keep me"
@@ -217,13 +226,13 @@ def test_swapped_files_are_misses_and_the_budget_holds(tmp_path: Path) -> None:
     budget = 3 * a.nbytes
     store = KVStore(capacity_bytes=budget, disk_path=tmp_path)
     for _ in range(5):
-        assert store.matched_blocks(a.block_keys) == [] and store.matched_blocks(b.block_keys) == []
+        assert hit(store, a) is None and hit(store, b) is None
         assert store.get(a.key) is None and store.get(b.key) is None
     assert store.bytes == 0
     for tag in range(3, 9):  # new chunks are still kept, within the budget
         assert store.put(chunk(tag))
         assert store.bytes <= budget
-    assert store.matched_blocks(chunk(8).block_keys)
+    assert hit(store, chunk(8))
 
 
 def test_chunks_read_from_disk_respect_the_memory_budget(tmp_path: Path) -> None:
@@ -273,18 +282,19 @@ def test_disk_eviction_follows_use_not_write_time(tmp_path: Path) -> None:
         store.put(x)
         age(tmp_path, x)
     for _ in range(3):
-        assert store.matched_blocks(a.block_keys)  # a is used: it is the newest now
+        assert hit(store, a, tier="disk")  # a is read from disk: it is the newest there now
     store.put(d)
     assert file_of(tmp_path, a).exists() and not file_of(tmp_path, b).exists()
 
 
 def test_a_prompts_head_outlives_its_tail(tmp_path: Path) -> None:
-    """Marked used from the last chunk to the first, as vLLM frees its own blocks."""
+    """A worker fetches a load's chunks from the last to the first, so they are marked used in
+    that order and a prompt's head outlives its tail, as vLLM frees its own blocks."""
     head, tail, other = chunk(1), chunk(2), chunk(3)
     size = file_of_size(tmp_path, head)
     store = KVStore(capacity_bytes=head.nbytes, disk_path=tmp_path, disk_capacity_bytes=2 * size)
     store.put(tail), store.put(head)
-    store._mark_used([tail.key, head.key])
+    assert hit(store, tail, tier="disk") and hit(store, head, tier="disk")
     store.put(other)
     assert file_of(tmp_path, head).exists() and not file_of(tmp_path, tail).exists()
 
@@ -314,10 +324,10 @@ def _hammer(folder: str, worker: int, puts: int, queue) -> None:
         try:
             store.put(chunk(tag))
             for other in (chunk((tag + 3) % 40), chunk(((i - 1) * 7 + worker) % 40)):
-                got = store.matched_blocks(other.block_keys)
+                got = hit(store, other)
                 if got:
                     hits += 1
-                    wrong += not same_bytes(got[0][0], other)
+                    wrong += not same_bytes(got, other)
         except Exception:  # noqa: BLE001 - counting is the point
             errors += 1
     queue.put((errors, wrong, hits, store.stats.write_errors))
@@ -343,10 +353,11 @@ def test_two_processes_share_one_folder(tmp_path: Path) -> None:
 def test_a_chunk_another_process_wrote_is_found(tmp_path: Path) -> None:
     reader = KVStore(disk_path=tmp_path)
     c = chunk(1)
-    assert reader.matched_blocks(c.block_keys) == []
+    assert hit(reader, c) is None and reader.tier("disk").locate(c.key) is None
     KVStore(disk_path=tmp_path).put(c)  # another process
-    got = reader.matched_blocks(c.block_keys)
-    assert len(got) == 2 and same_bytes(got[0][0], c)
+    assert reader.tier("disk").locate_many(c.block_keys) == [(c.key, 0), (c.key, 1)]  # the scheduler's lookup
+    got = hit(reader, c)  # the worker's read
+    assert got is not None and same_bytes(got, c)
 
 
 # ---- keys ----------------------------------------------------------------------------------------

@@ -36,6 +36,11 @@ def chunk(tag: int, fill: int | None = None) -> Chunk:
 def same_bytes(a: Chunk, b: Chunk) -> bool:
     return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a.buffer.storage, b.buffer.storage))
 
+def hit(store: KVStore, c: Chunk, **options: object) -> Chunk | None:
+    """``c`` as a worker fetches it (the production path): its signature and blocks."""
+    return store.get(c.key, c.signature, blocks=dict(enumerate(c.block_keys)), **options)
+
+
 
 def files(folder: Path) -> list[Path]:
     return list(folder.glob("*.kvchunk"))
@@ -57,7 +62,7 @@ def test_a_budget_a_full_disk_lowered_comes_back(tmp_path: Path, monkeypatch) ->
     """ENOSPC lowers the limit to what the folder holds, for 1 s, then the budget is tried
     in full again; a new ENOSPC lowers it again, for twice as long while it stays full."""
     now = [1000.0]
-    monkeypatch.setattr(tiers, "time", types.SimpleNamespace(monotonic=lambda: now[0], time=time.time))
+    monkeypatch.setattr(tiers.backoff, "time", types.SimpleNamespace(monotonic=lambda: now[0], time=time.time))
     store = KVStore(capacity_bytes=chunk(0).nbytes, disk_path=tmp_path, disk_capacity_bytes=40 * chunk(0).nbytes)
     disk, write, full = store.disk, store.disk._write, [0]
 
@@ -157,8 +162,8 @@ def test_a_keyed_store_reads_its_own_chunks_back_bitwise(tmp_path: Path, tier: s
     header, _ = split(files(tmp_path)[0].read_bytes())
     assert len(header["mac"]) == 64 and int(header["mac"], 16) >= 0
     keyed = KVStore(**{f"{tier}_path": tmp_path}, auth_key=KEY)
-    got = keyed.matched_blocks(c.block_keys)
-    assert len(got) == 2 and same_bytes(got[0][0], c) and keyed.stats.forged == 0 and keyed.stats.corrupt == 0
+    got = hit(keyed, c)
+    assert got is not None and same_bytes(got, c) and keyed.stats.forged == 0 and keyed.stats.corrupt == 0
     unkeyed = KVStore(**{f"{tier}_path": tmp_path})  # without a key the mac is ignored
     got = unkeyed.get(c.key)
     assert got is not None and same_bytes(got, c)
@@ -194,7 +199,7 @@ def test_a_chunk_rewritten_without_the_key_is_refused(tmp_path: Path, tier: str,
     forge(path, how)
     assert KVStore(**{f"{tier}_path": tmp_path}).get(c.key) is not None, "its CRC is valid: only a key tells"
     keyed = KVStore(**{f"{tier}_path": tmp_path}, auth_key=KEY)
-    assert keyed.matched_blocks(c.block_keys) == [] and keyed.get(c.key) is None
+    assert hit(keyed, c) is None and keyed.get(c.key) is None
     assert keyed.stats.forged == 1 and keyed.stats.corrupt == 1 and not path.exists()
 
 

@@ -1,0 +1,45 @@
+"""The one back-off of every shared tier: after a failure it pauses for a doubling while
+(``RETRY_FIRST_S`` up to ``RETRY_MAX_S``), and it logs each kind of fault once."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+logger = logging.getLogger("kvlab.store")
+
+# Seconds a tier that failed waits before it tries again (doubling up to the max).
+RETRY_FIRST_S, RETRY_MAX_S = 1.0, 300.0
+
+
+class Backoff:
+    """Pause after each failure for the current delay, which doubles (up to RETRY_MAX_S)
+    until a success resets it; and a warning per kind of fault, the first time only."""
+
+    def __init__(self) -> None:
+        self.delay_s = RETRY_FIRST_S  # the next pause
+        self._until = 0.0
+        self._logged: set[str] = set()
+
+    @property
+    def paused(self) -> bool:
+        """Whether the last failure's pause still runs."""
+        return time.monotonic() < self._until
+
+    def fail(self) -> float:
+        """Start a pause of the current delay and double the next; returns the pause (s)."""
+        pause = self.delay_s
+        self._until = time.monotonic() + pause
+        self.delay_s = min(2 * pause, RETRY_MAX_S)
+        return pause
+
+    def succeed(self) -> None:
+        """It worked: no pause, and the next failure pauses for RETRY_FIRST_S again."""
+        self.delay_s = RETRY_FIRST_S
+        self._until = 0.0
+
+    def log_once(self, kind: str, message: str, *args: object) -> None:
+        """``logger.warning(message, *args)`` the first time ``kind`` happens."""
+        if kind not in self._logged:
+            self._logged.add(kind)
+            logger.warning(message, *args)

@@ -1,0 +1,141 @@
+"""The Redis tier: chunks in a Redis server, shared by every process and host that reaches
+it. Every fault of the server is absorbed, counted in :class:`StoreStats`, logged once and
+paused after (kvlab.store.tiers.backoff)."""
+
+from __future__ import annotations
+
+import io
+from typing import Any, Callable
+
+import torch
+
+from kvlab.store.chunk import Chunk, authentic, chunk_from, encode_header, parse_header, payload
+from kvlab.store.keys import valid_key
+from kvlab.store.secrets import redact, resolve_redis_url
+from kvlab.store.tiers.backoff import Backoff
+from kvlab.store.tiers.stats import StoreStats
+
+
+class RedisTier:
+    """Chunks in a Redis server, shared by every process and host that reaches it: one
+    value per chunk (the chunk file's bytes) and one small value per block naming its
+    chunk and position, so any process can look blocks up. The server's own eviction
+    (``maxmemory``, ``allkeys-lru``) bounds it; a block whose chunk was evicted is a miss.
+
+    Every error of the server (down, unreachable, timing out) is absorbed: counted,
+    logged once, and the tier pauses (lookups miss, writes are skipped: ``redis_skipped``) with a doubling
+    back-off, so no request waits on a dead server for more than one timeout."""
+
+    name, shared = "redis", True
+    PREFIX = "kvlab:"
+
+    def __init__(self, url: str, stats: StoreStats, timeout_s: float = 2.0, auth_key: bytes | None = None) -> None:
+        """``auth_key``: as the disk tier's (every value carries a MAC; one without a valid one is refused)."""
+        import redis
+
+        self.url = redact(url)  # for messages: the password never appears in them
+        self.stats = stats
+        self.auth_key = auth_key
+        self.client = redis.Redis.from_url(resolve_redis_url(url), socket_timeout=timeout_s,
+                                           socket_connect_timeout=timeout_s)
+        self._errors = (redis.RedisError, OSError)
+        self._backoff = Backoff()
+        self.round_trips = 0
+
+    def check(self) -> None:
+        """Raise ValueError naming the server unless it answers (at start-up)."""
+        try:
+            self.client.ping()
+        except self._errors as error:
+            raise ValueError(f"the Redis tier cannot reach {self.url} ({error})") from None
+
+    # ---- lookups -------------------------------------------------------------------
+    def locate(self, block_key: str) -> tuple[str, int] | None:
+        return self.locate_many([block_key])[0]
+
+    def locate_many(self, block_keys: list[str]) -> list[tuple[str, int] | None]:
+        """Every block's chunk and position in one round trip (MGET)."""
+        values = self._call("read", lambda: self.client.mget([self.PREFIX + "b:" + key for key in block_keys]))
+        return [self._location(value) for value in values or [None] * len(block_keys)]
+
+    @staticmethod
+    def _location(value: bytes | None) -> tuple[str, int] | None:
+        if not value:
+            return None
+        chunk_key, _, position = value.decode(errors="replace").partition(":")
+        return (chunk_key, int(position)) if valid_key(chunk_key) and position.isdigit() else None
+
+    def get(self, chunk_key: str) -> Chunk | None:
+        value = self._call("read", lambda: self.client.get(self.PREFIX + "c:" + chunk_key))
+        if value is None:
+            return None
+        self.stats.read_from(self.name)
+        try:
+            header = parse_header(io.BytesIO(value), chunk_key, len(value))
+        except ValueError as error:
+            self._reject(chunk_key, error)
+            return None
+        flat = torch.frombuffer(bytearray(value[header.payload_start:]), dtype=torch.uint8)
+        chunk = chunk_from(header, flat)
+        if not chunk.intact():
+            self._reject(chunk_key, ValueError("checksum does not match"))
+            return None
+        if self.auth_key is not None and not authentic(header, self.auth_key, flat):
+            self.stats.forged += 1
+            self._reject(chunk_key, ValueError("no valid MAC for this store's auth_key"))
+            return None
+        return chunk
+
+    # ---- updates -------------------------------------------------------------------
+    def put(self, chunk: Chunk) -> bool:
+        """One round trip: the chunk's value and its blocks' names, pipelined."""
+        def write() -> bool:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.set(self.PREFIX + "c:" + chunk.key, encode_header(chunk, self.auth_key) + b"".join(payload(chunk)))
+            for position, key in enumerate(chunk.block_keys):
+                pipe.set(self.PREFIX + "b:" + key, f"{chunk.key}:{position}")
+            pipe.execute()
+            return True
+
+        return bool(self._call("write", write))
+
+    def discard(self, chunk_key: str) -> None:
+        self._call("write", lambda: self.client.delete(self.PREFIX + "c:" + chunk_key))
+
+    def touch(self, chunk_key: str) -> None:
+        """Nothing: the server's LRU sees every read."""
+
+    def identity(self, chunk_key: str) -> str:
+        """No cheap identity: a value checked once is trusted until a load of it fails."""
+        return "unknown"
+
+    # ---- internals -----------------------------------------------------------------
+    def _call(self, kind: str, operation: Callable[[], Any]) -> Any:
+        if self._backoff.paused:
+            self.stats.redis_skipped += kind == "write"
+            return None
+        try:
+            self.round_trips += 1
+            result = operation()
+        except self._errors as error:
+            self.stats.write_errors += kind == "write"
+            self.stats.read_errors += kind == "read"
+            pause = self._backoff.fail()
+            self._backoff.log_once(kind, "KVLabConnector store: Redis at %s failed a %s (%s); the tier pauses for "
+                                   "%g s, then less often; requests go on", self.url, kind, error, pause)
+            return None
+        self._backoff.succeed()
+        return result
+
+    def _reject(self, chunk_key: str, error: Exception) -> None:
+        self.stats.corrupt += 1
+        self._backoff.log_once("corrupt", "KVLabConnector store: dropping Redis chunk %s (%s); recomputing instead",
+                               chunk_key, error)
+        self.discard(chunk_key)
+
+
+def open_redis(settings) -> RedisTier | None:  # noqa: ANN001 - a KVStore (kvlab.store.tiers.registry)
+    """A Redis tier where the store has a ``redis_url``."""
+    if settings.redis_url is None:
+        return None
+    return RedisTier(settings.redis_url, settings.stats, auth_key=settings.auth_key)
