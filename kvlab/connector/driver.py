@@ -167,7 +167,8 @@ def step(scheduler: KVLabConnector, workers: KVLabConnector | list[KVLabConnecto
     them. Returns the combined report and the seconds the (first) worker blocked."""
     workers = workers if isinstance(workers, list) else [workers]
     meta = scheduler.build_connector_meta(output)
-    assert isinstance(meta, KVLabMetadata)
+    if not isinstance(meta, KVLabMetadata):
+        raise TypeError(f"the scheduler built {type(meta).__name__}, not KVLabMetadata")
     outputs, times = [], []
     for worker in workers:
         worker.handle_preemptions(meta)
@@ -223,5 +224,6 @@ def prefill(scheduler: KVLabConnector, worker: KVLabConnector | list[KVLabConnec
     result = step(scheduler, worker, schedule(req_id, prompt, block_ids, hit), layerwise, ascend_hooks)
     held, _ = scheduler.request_finished(request, block_ids)
     released = settle(scheduler, worker, finished={req_id})
-    assert not held or req_id in released, "a held request's blocks are released once its saves are done"
+    if held and req_id not in released:
+        raise RuntimeError(f"request {req_id}'s blocks were held for its saves but never released")
     return {"hit_tokens": hit, **result}

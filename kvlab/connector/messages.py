@@ -70,7 +70,8 @@ class KVLabWorkerMeta(KVConnectorWorkerMetadata):
     missed: set[tuple[str, str]] = field(default_factory=set)  # (tier, chunk key) a load found unusable there
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVLabWorkerMeta:
-        assert isinstance(other, KVLabWorkerMeta)
+        if not isinstance(other, KVLabWorkerMeta):  # another connector's metadata: a wiring error
+            raise TypeError(f"cannot aggregate KVLabWorkerMeta with {type(other).__name__}")
         return KVLabWorkerMeta(self.stored + other.stored, self.failed | other.failed,
                                self.signature or other.signature, self.load_failed | other.load_failed,
                                self.missed | other.missed)

@@ -1,4 +1,5 @@
-"""Figures, one module per notebook (atlas: 01, transfer: 02, connector: 03, accuracy: 04)
+"""Figures, one module per notebook (atlas and segment_figures: 01, transfer: 02, connector: 03,
+accuracy: 04)
 plus what they share; drawn from kvlab's data and committed results, never from a
 notebook's private state, so every one regenerates with the same call."""
 
@@ -9,8 +10,6 @@ from kvlab.plotting.atlas import (
     draw_memory_map,
     memory_map,
     miniature,
-    segment_scaling,
-    segments_by_layout,
 )
 from kvlab.plotting.common import human_bytes, save_figure
 from kvlab.plotting.connector import (
@@ -21,6 +20,7 @@ from kvlab.plotting.connector import (
     registration_figure,
     ttft_figure,
 )
+from kvlab.plotting.segment_figures import segment_scaling, segments_by_layout
 from kvlab.plotting.transfer import (
     bandwidth_vs_tokens,
     break_even_figure,

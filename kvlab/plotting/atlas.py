@@ -1,30 +1,24 @@
-"""Figures of notebook 01: the memory map of a small cache, the atlas page, segment scaling
-and segments per layout. Drawn from kvlab's data (layouts and segment rows), never from a
-notebook's private state, so every one can be regenerated with the same call."""
+"""Figures of notebook 01's maps: the memory map of a small cache and the atlas page (the
+segment counts' figures are in kvlab.plotting.segment_figures). Drawn from kvlab's layouts,
+never from a notebook's private state, so every one can be regenerated with the same call."""
 
 from __future__ import annotations
 
-import functools
 from typing import Sequence
 
 import matplotlib
 import matplotlib.colors
-import matplotlib.font_manager
 import matplotlib.legend_handler
-import matplotlib.lines
 import matplotlib.patches
 import matplotlib.pyplot as plt
-import matplotlib.textpath
-import matplotlib.ticker
 import numpy as np
 
 from kvlab.cache.allocation import address_labels, axis_sizes
 from kvlab.cache.geometry import ModelGeometry
 from kvlab.cache.layouts import Layout, get_layout
 from kvlab.cache.segments import span_segments
-from kvlab.plotting.common import (BLACK, BLUE, CYCLE, DEFAULT_WIDTH, MEDIUM, ORANGE, SMALL, WIDTHS, dots,
-                                   figure_width, human_bytes, model_name, panels, paper_figure, plural,
-                                   room_for_numbers, wrap)
+from kvlab.plotting.common import (BLACK, BLUE, CYCLE, DEFAULT_WIDTH, MEDIUM, ORANGE, SMALL, WIDTHS, figure_width,
+                                   model_name, paper_figure, plural, text_inches, wrap)
 from kvlab.plotting.common import title as figure_title
 
 COLOUR_BY = ("layer", "block", "part", "token")
@@ -128,23 +122,15 @@ def _row_label(by: str, geometry: ModelGeometry) -> str:
 
 # --- text that fits ---------------------------------------------------------------------------
 
-_TEXT = matplotlib.textpath.TextToPath()
-
-
-@functools.lru_cache(maxsize=4096)
-def _inches(text: str, size: float = SMALL) -> float:
-    """The width of ``text``'s longest line at ``size`` points (DejaVu Sans, as drawn)."""
-    font = matplotlib.font_manager.FontProperties(size=size)
-    return max(_TEXT.get_text_width_height_descent(line, font, ismath=False)[0] for line in text.split("\n")) / 72
 
 
 def _name(name: str, inches: float) -> str:
     """A layout's name on one line where it fits ``inches``, else broken after the "_" that
     leaves the narrower lines."""
     parts = name.split("_")
-    if _inches(name) <= inches or len(parts) == 1:
+    if text_inches(name) <= inches or len(parts) == 1:
         return name
-    return min(("_".join(parts[:i]) + "_\n" + "_".join(parts[i:]) for i in range(1, len(parts))), key=_inches)
+    return min(("_".join(parts[:i]) + "_\n" + "_".join(parts[i:]) for i in range(1, len(parts))), key=text_inches)
 
 
 def _segments_texts(counts: Sequence[int | None], blocks: int, inches: float) -> list[str | None]:
@@ -153,7 +139,7 @@ def _segments_texts(counts: Sequence[int | None], blocks: int, inches: float) ->
     wordings = (lambda n: f"{plural(n, 'segment')} for {plural(blocks, 'block')}", lambda n: plural(n, "segment"),
                 lambda n: f"{n:,} seg.")
     shown = [n for n in counts if n is not None]
-    words = next((w for w in wordings if all(_inches(w(n)) <= inches for n in shown)), wordings[-1])
+    words = next((w for w in wordings if all(text_inches(w(n)) <= inches for n in shown)), wordings[-1])
     return [None if n is None else words(n) for n in counts]
 
 
@@ -299,108 +285,6 @@ def memory_map(
 
 
 @paper_figure
-def segment_scaling(rows: Sequence[dict], title: str = "", width: str | float = DEFAULT_WIDTH) -> plt.Figure:
-    """Segments and mean segment size against tokens moved, a line per layout and block size:
-    a colour and marker per layout, a line style per block size, each named once in the key
-    under the panels.
-
-    ``rows`` are kvlab.cache.segments.sweep rows.
-    """
-    fig, (left, right) = panels(2, width, 2.4)
-    series: dict[tuple[str, int], list[dict]] = {}
-    for row in rows:
-        series.setdefault((row["layout"], row["block_size"]), []).append(row)
-    layouts = list(dict.fromkeys(k[0] for k in series))
-    sizes = sorted({k[1] for k in series})
-    marks = {layout: dict(color=CYCLE[i % len(CYCLE)], marker="os^vDP*X"[i % 8], ms=4.5 - 0.5 * (i % 3), mfc="none")
-             for i, layout in enumerate(layouts)}
-    styles = {size: ["-", "--", ":", "-."][k % 4] for k, size in enumerate(sizes)}
-    for (layout, block_size), points in series.items():
-        points = sorted(points, key=lambda r: r["tokens"])
-        tokens = [p["tokens"] for p in points]
-        style = dict(ls=styles[block_size], lw=1, **marks[layout])
-        left.plot(tokens, [p["segments"] for p in points], **style)
-        right.plot(tokens, [p["mean_segment_bytes"] for p in points], **style)
-    for ax, ylabel in ((left, "contiguous segments"), (right, "mean segment size")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log", base=2)
-        ax.set_xlabel("tokens moved")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="major", alpha=0.3)
-    right.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: human_bytes(v)))
-    key = ([matplotlib.lines.Line2D([], [], lw=1, label=layout, **marks[layout]) for layout in layouts]
-           + [matplotlib.lines.Line2D([], [], color="0.3", lw=1, ls=styles[size], label=f"BS={size}")
-              for size in sizes])
-    style = dict(handlelength=2.4, handletextpad=0.5, columnspacing=1.2)
-    fig.legend(handles=key, loc="outside lower center", ncols=_key_columns_across(key, figure_width(width), split=len(layouts), **style),
-               **style)
-    figure_title(fig, title)
-    return fig
-
-
-def _key_columns_across(key: Sequence, inches: float, handlelength: float, handletextpad: float,
-                        columnspacing: float, split: int = 0) -> int:
-    """The most columns a key's entries (filled column by column, as matplotlib does) take
-    within ``inches`` of width, preferring those where the first ``split`` entries (one kind
-    of entry, the rest another) fill whole columns of their own."""
-    em = SMALL / 72
-    widths = [(handlelength + handletextpad) * em + _inches(entry.get_label()) for entry in key]
-    fitting, clean = [1], [1] if split in (0, len(widths)) else []
-    for columns in range(2, len(widths) + 1):
-        rows, longer = divmod(len(widths), columns)
-        starts = np.cumsum([0] + [rows + 1] * longer + [rows] * (columns - longer))
-        across = sum(max(widths[a:b]) for a, b in zip(starts[:-1], starts[1:])) + (columns - 1) * columnspacing * em
-        if across <= inches - 0.2:
-            fitting.append(columns)
-            if split in (0, *starts):
-                clean.append(columns)
-    return max(clean or fitting)
-
-
-@paper_figure
-def segments_by_layout(rows: Sequence[dict], title: str = "", width: str | float = DEFAULT_WIDTH) -> plt.Figure:
-    """Segments (dots, log scale) and their size (label) for every layout in ``rows``, one dot
-    per block size; layouts that move exactly the same share a row, so every paged layout
-    fits on a page. ``rows`` are kvlab.cache.segments.sweep rows for one token count."""
-    sizes = sorted({r["block_size"] for r in rows})
-    groups = _same_segments(rows, sizes)
-    inches = figure_width(width)
-    labels = [wrap(", ".join(layouts), inches / 3, SMALL) for layouts in groups.values()]
-    spans = [max(DOT_ROW * len(sizes), LINE * (label.count("\n") + 1)) + DOT_ROW for label in labels]
-    centres = np.cumsum(spans) - np.array(spans) / 2  # in inches, down the page
-    fig, ax = plt.subplots(figsize=(inches, sum(spans) + 1.0), layout="constrained")
-    for k, block_size in enumerate(sizes):
-        moved = [segments[k] for segments in groups]
-        dots(ax, centres + (k - (len(sizes) - 1) / 2) * DOT_ROW, [count for count, _ in moved],
-             [CYCLE[k % len(CYCLE)]] * len(moved), [f"{count:,.0f} × {human_bytes(size)}" for count, size in moved])
-    counts = [r["segments"] for r in rows]
-    ax.set_xlim(min(counts) / 2, max(counts) * 2)
-    ax.set_yticks(centres, labels)
-    ax.set_ylim(sum(spans), 0)
-    ax.set_xlabel("contiguous segments (log)")
-    ax.legend(handles=[matplotlib.lines.Line2D([], [], ls="", marker="o", color=CYCLE[k % len(CYCLE)],
-                                               label=f"block size {block_size}") for k, block_size in enumerate(sizes)],
-              loc="lower center", bbox_to_anchor=(0.5, 1.0), ncols=len(sizes))
-    figure_title(fig, title)
-    room_for_numbers(fig, ax, 16)
-    return fig
-
-
-DOT_ROW = 0.16  # inches between a row's dots (one per block size)
-LINE = 0.12  # inches per line of a row's label
-
-
-def _same_segments(rows: Sequence[dict], sizes: Sequence[int]) -> dict[tuple, list[str]]:
-    """Layouts grouped by what they move: (segments, mean segment bytes) per block size."""
-    by_key = {(r["layout"], r["block_size"]): r for r in rows}
-    groups: dict[tuple, list[str]] = {}
-    for layout in dict.fromkeys(r["layout"] for r in rows):
-        moved = tuple((by_key[layout, size]["segments"], by_key[layout, size]["mean_segment_bytes"]) for size in sizes)
-        groups.setdefault(moved, []).append(layout)
-    return groups
-
-
-@paper_figure
 def atlas(
     layouts: Sequence[str | Layout],
     geometry: ModelGeometry,
@@ -434,7 +318,7 @@ def atlas(
     key = _key(by, geometry, num_blocks, layouts)
     stacked = _key_columns(len(key), height + 0.3)
     entry = (KEY_STYLE["handlelength"] + KEY_STYLE["handletextpad"] + KEY_STYLE["columnspacing"]) * SMALL / 72
-    if stacked * (entry + max(_inches(e.get_label()) for e in key)) <= len(empty) * panel:  # the grid's empty corner
+    if stacked * (entry + max(text_inches(e.get_label()) for e in key)) <= len(empty) * panel:  # the grid's empty corner
         corner = empty[0].legend(handles=key, loc="center", bbox_to_anchor=(0, 0, len(empty), 1), ncols=stacked,
                                  **KEY_STYLE)
         corner.set_in_layout(False)  # it lies over the empty maps' places, leaving the grid as it is

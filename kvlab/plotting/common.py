@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Callable, Collection, Iterable, Sequence
 
 import matplotlib.colors
+import matplotlib.font_manager
 import matplotlib.pyplot as plt
+import matplotlib.textpath
 from cycler import cycler
 
 from kvlab.cache.geometry import PRESETS
@@ -110,6 +112,16 @@ def wrap(text: str, inches: float, size: float = MEDIUM) -> str:
     columns = max(int(inches * 72 / (0.6 * size)), 10)
     return "\n".join(textwrap.fill(line, columns, break_long_words=False, break_on_hyphens=False)
                      for line in text.split("\n"))
+
+
+_TEXT = matplotlib.textpath.TextToPath()
+
+
+@functools.lru_cache(maxsize=4096)
+def text_inches(text: str, size: float = SMALL) -> float:
+    """The width of ``text``'s longest line at ``size`` points (DejaVu Sans, as drawn)."""
+    font = matplotlib.font_manager.FontProperties(size=size)
+    return max(_TEXT.get_text_width_height_descent(line, font, ismath=False)[0] for line in text.split("\n")) / 72
 
 
 def title(fig: plt.Figure, text: str) -> None:
