@@ -126,13 +126,8 @@ def run_layerwise(args: argparse.Namespace) -> int:
     out = None if args.no_save else args.out or default_results_path("02_layerwise", args.device, args.results_dir)
     rows = bench.run_pipeline_sweep(_csv(args.model), _csv(args.tokens, int), _csv(args.intensities, float),
                                     args.device, args.repeats, out=out)
-    for row in rows:
-        print(f"{row['model']:40s} {row['tokens']:6d} tokens  intensity {row['intensity']:<5g} "
-              f"sequential {row['sequential_s'] * 1e3:8.2f} ms  layerwise {row['layerwise_s'] * 1e3:8.2f} ms  "
-              f"speedup {row['speedup']:.2f} (ideal {row['ideal_speedup']:.2f})")
-    if out:
-        print(f"appended {len(rows)} rows to {out}")
-    return 0
+    return _print_layerwise(rows, out, lambda row: f"{row['model']:40s} {row['tokens']:6d} tokens  "
+                                                   f"intensity {row['intensity']:<5g} ")
 
 
 def run_attention_layerwise(args: argparse.Namespace) -> int:
@@ -141,10 +136,16 @@ def run_attention_layerwise(args: argparse.Namespace) -> int:
     out = None if args.no_save else args.out or default_results_path("02_attention", args.device, args.results_dir)
     rows = bench.run_attention_sweep(_csv(args.model), _csv(args.tokens, int), args.new_tokens, args.device,
                                      args.repeats, out=out)
+    return _print_layerwise(rows, out, lambda row: f"{row['model']:40s} {row['prefix_tokens']:6d} + "
+                                                   f"{row['new_tokens']} tokens  load {row['load_s'] * 1e3:8.2f} ms  "
+                                                   f"attention {row['compute_s'] * 1e3:8.2f} ms  ")
+
+
+def _print_layerwise(rows: list[dict], out, head) -> int:
+    """One line per layerwise row (``head(row)``, then its sequential and layerwise times and
+    the speed-up), and where the rows were appended."""
     for row in rows:
-        print(f"{row['model']:40s} {row['prefix_tokens']:6d} + {row['new_tokens']} tokens  "
-              f"load {row['load_s'] * 1e3:8.2f} ms  attention {row['compute_s'] * 1e3:8.2f} ms  "
-              f"sequential {row['sequential_s'] * 1e3:8.2f} ms  layerwise {row['layerwise_s'] * 1e3:8.2f} ms  "
+        print(f"{head(row)}sequential {row['sequential_s'] * 1e3:8.2f} ms  layerwise {row['layerwise_s'] * 1e3:8.2f} ms  "
               f"speedup {row['speedup']:.2f} (ideal {row['ideal_speedup']:.2f})")
     if out:
         print(f"appended {len(rows)} rows to {out}")
