@@ -162,20 +162,27 @@ def test_damaged_file_is_a_miss_and_removed(tmp_path: Path, damage: str) -> None
 
 
 def test_stray_files_are_ignored(tmp_path: Path) -> None:
+    """A fresh store on a folder holding strays reads its own chunk from disk (not memory),
+    answers a stray's name as a miss and leaves the strays alone."""
     (tmp_path / "notes.txt").write_text("hello")
     (tmp_path / "junk.kvchunk").write_bytes(b"not a chunk")
-    store = KVStore(disk_path=tmp_path)
     c = chunk(1)
-    store.put(c)
-    assert store.get(c.key) is c
+    KVStore(disk_path=tmp_path).put(c)
+    reader = KVStore(disk_path=tmp_path)
+    assert reader.get(c.key, tier="disk") is not None and same_bytes(reader.get(c.key, tier="disk"), c)
+    assert reader.get("junk", tier="disk") is None
+    assert (tmp_path / "notes.txt").read_text() == "hello"
 
 
 def test_disk_budget_removes_oldest_files(tmp_path: Path) -> None:
+    """Over its budget the disk tier removes the oldest chunks, and only those."""
     size = chunk(0).nbytes
     store = KVStore(disk_path=tmp_path, disk_capacity_bytes=2 * size + 4096)
     for tag in range(4):
         store.put(chunk(tag))
-    assert len(list(tmp_path.glob("*.kvchunk"))) == 2
+    reader = KVStore(disk_path=tmp_path)  # nothing in memory: the disk answers
+    kept = [tag for tag in range(4) if reader.get(chunk(tag).key, tier="disk") is not None]
+    assert kept == [2, 3] and len(list(tmp_path.glob("*.kvchunk"))) == 2
 
 
 @pytest.mark.parametrize("kwargs, message", [
