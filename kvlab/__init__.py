@@ -6,7 +6,8 @@ The subpackages, in dependency order (each imports only those before it):
 - ``kvlab.transfer``: the copy engine and one module per copy method (torch only)
 - ``kvlab.store``: chunks, keys, tiers behind one protocol (torch only)
 - ``kvlab.hooks`` (torch only) and ``kvlab.connector`` (vLLM): layerwise hooks, KVLabConnector
-- ``kvlab.runtime``: child processes, engines, servers, model folders
+- ``kvlab.runtime``: child processes, servers, model folders
+- ``kvlab.testing``: harnesses: the connector driven without an engine, engines run through phases
 - ``kvlab.experiments`` and ``kvlab.results``: what the notebooks measure, and its files
 - ``kvlab.plotting``: one module of figures per notebook
 
@@ -31,7 +32,7 @@ _EXPORTS = {
                        "CopyMethod", "register", "method_status"),
     "kvlab.store": ("KVStore", "Chunk", "block_hashes"),
     "kvlab.hooks": ("TinyAttentionStack", "LayerwiseOffloader", "LayerTrace", "connector_active"),
-    "kvlab.results": ("measured", "load_results", "results_for", "record_run"),
+    "kvlab.results": ("Profile", "measured", "load_results", "results_for", "record_run"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 

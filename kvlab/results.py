@@ -12,6 +12,7 @@ import platform
 import subprocess
 import uuid
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -201,3 +202,52 @@ def measured(stem: str, measure: Callable[[], Sequence[dict[str, Any]]] | None, 
     if measure is not None:
         record_run(default_results_path(stem, device, results_dir), measure(), device)
     return results_for(stem, results_dir)
+
+
+# What a notebook section costs to measure: seconds ("fast"), an engine run of minutes
+# ("engine"), or the long sweeps of the paper figures ("slow").
+COSTS = ("fast", "engine", "slow")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What a notebook measures, and where the rest comes from. "quick" (the tests) measures
+    the fast sections only: tests/integration runs every engine path, so engine sections
+    show the committed results. "standard" (``make run``) runs the engines too, minutes
+    each; "paper" measures everything, the slow sweeps included. ``measure=False`` draws
+    every figure from the results already in ``results_dir``. Creating one records its
+    name in this process's run records (:func:`use_profile`)."""
+
+    name: str = "standard"
+    measure: bool = True
+    results_dir: str | Path = "../data/results"
+
+    def __post_init__(self) -> None:
+        use_profile(self.name)
+
+    @property
+    def quick(self) -> bool:
+        return self.name == "quick"
+
+    @property
+    def paper(self) -> bool:
+        return self.name == "paper"
+
+    def pick(self, quick: Any, standard: Any, paper: Any) -> Any:
+        """The value of this profile's size (a token count, a repeat count, a sweep)."""
+        return {"quick": quick, "standard": standard, "paper": paper}[self.name]
+
+    def measures(self, cost: str) -> bool:
+        """Whether this profile measures a section of ``cost`` (one of COSTS) now."""
+        if cost not in COSTS:
+            raise ValueError(f"unknown cost {cost!r}; choose from {list(COSTS)}")
+        return self.measure and (cost == "fast" or (cost == "engine" and not self.quick) or self.paper)
+
+    def rows(self, stem: str, measure: Callable[[], Sequence[dict[str, Any]]], cost: str = "fast",
+             device: str | torch.device = "cpu") -> list[dict[str, Any]]:
+        """A section's rows (:func:`measured`): ``measure`` run now where this profile
+        measures ``cost`` sections; otherwise the results at hand (fast sections) or the
+        committed ones (engine and slow sections)."""
+        if self.measures(cost):
+            return measured(stem, measure, self.results_dir, device)
+        return measured(stem, None, self.results_dir if cost == "fast" else committed_results_dir(), device)

@@ -8,6 +8,8 @@ before the fence (invisible on GitHub):
 - ``<!-- readme-test: slow -->``: it starts vLLM engines, servers or LMCache: the slow test runs it;
 - ``<!-- readme-test: server (URL) -->``: a console command that serves until stopped (slow): it
   must answer ``URL/health``, then it is stopped;
+- ``<!-- readme-test: test (path) -->``: the set-up of the test module at ``path``, which runs it
+  as written (:func:`code_run_by`) and shares its engines;
 - ``<!-- readme-test: skip (reason) -->``: never run, for the reason given.
 
 ``python`` blocks run in a fresh ``.venv/bin/python`` from the repository root; ``console``
@@ -50,7 +52,7 @@ SETUP_COMMANDS = {
     "make figures": "redraws every figure from the committed results (the notebooks' tests cover it)",
     "conda env create": "builds a second environment",
 }
-POLICIES = ("fast", "slow", "server", "skip")
+POLICIES = ("fast", "slow", "server", "test", "skip")
 MARKER = re.compile(r"<!--\s*readme-test:\s*(\w+)\s*(?:\((.*)\))?\s*-->")
 FENCE = re.compile(r"^```(\w*)\s*$")
 FAST_TIMEOUT_S = 600
@@ -99,8 +101,8 @@ def readme_blocks(text: str, path: str = "README.md") -> list[Block]:
             policy, detail = marker[1], marker[2] or ""
             if policy not in POLICIES:
                 raise ValueError(f"{path}:{number}: unknown readme-test policy {policy!r}; choose from {POLICIES}")
-            if policy in ("skip", "server") and not detail:
-                needs = "reason" if policy == "skip" else "URL"
+            if policy in ("skip", "server", "test") and not detail:
+                needs = {"skip": "reason", "server": "URL", "test": "test module's path"}[policy]
                 raise ValueError(f"{path}:{number}: readme-test: {policy} needs its ({needs})")
         blocks.append(Block(opening[1], "\n".join(lines[number + 1:end]) + "\n", number + 1, section, policy, detail,
                             path))
@@ -269,6 +271,22 @@ def test_readme_block(block: Block, tmp_path: Path):
 @pytest.mark.parametrize("block", params("slow", "server"))
 def test_readme_block_slow(block: Block, tmp_path: Path):
     (run_server if block.policy == "server" else run_block)(block, tmp_path)
+
+
+def code_run_by(test_file: str | Path) -> str:
+    """The code of the one block marked ``readme-test: test (<test_file>)``: that test module
+    runs it as written, as its set-up."""
+    mine = [b for b in BLOCKS if b.policy == "test" and ROOT / b.detail == Path(test_file).resolve()]
+    if len(mine) != 1:
+        raise LookupError(f"{len(mine)} blocks are marked readme-test: test ({test_file}); one is")
+    return mine[0].code
+
+
+def test_blocks_run_by_a_test_name_a_test_that_runs_them():
+    for block in (b for b in BLOCKS if b.policy == "test"):
+        test = ROOT / block.detail
+        assert test.is_file() and "code_run_by(__file__)" in test.read_text(), \
+            f"{block.path}:{block.line}: {block.detail} does not run the block (code_run_by(__file__))"
 
 
 def test_every_connector_example_recomputes_a_failed_load():

@@ -87,6 +87,12 @@ class KVLabConnector(KVConnectorBase_V1):
         """The worker's tiers."""
         return self.worker.store
 
+    def act_as_rank(self, rank: int, workers: int) -> None:
+        """Worker side: be tensor-parallel rank ``rank`` of ``workers``, which a worker
+        process otherwise learns from vLLM's parallel state (kvlab.testing.driver runs several
+        ranks in one process)."""
+        self.worker.act_as_rank(rank, workers)
+
     @property
     def cache(self):
         return self.worker.cache if self.worker is not None else None

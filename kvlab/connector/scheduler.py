@@ -66,8 +66,7 @@ class SchedulerSide:
         self.memory = MemoryIndex(config.store_bytes, self.workers) if "memory" in config.tier_names else None
         self.shared = lookup_store(config)
         if self.shared is not None:
-            for tier in self.shared.shared:
-                tier.check()  # a tier that cannot be reached fails start-up
+            self.shared.check_shared()  # a tier that cannot be reached fails start-up
         self.signature: str | None = None  # the workers' cache, once they report it
         self._requests: dict[str, _RequestState] = {}
         # (tier, chunk key) -> (the stored chunk's identity when checked, its block keys if intact and of this cache)
@@ -140,17 +139,17 @@ class SchedulerSide:
         """The first shared tier that holds this block for every worker, checked."""
         if self.shared is None or self.signature is None:
             return None
-        for tier in self.shared.shared:
+        for tier in self.shared.shared_names:
             chunk_keys, positions = [], set()
             for rank in range(self.workers):
                 shard = shard_key(key, rank, self.workers)
-                found = self._located.get((tier.name, shard))
+                found = self._located.get((tier, shard))
                 if found is None or not self._holds(tier, found[0], found[1], shard):
                     break
                 chunk_keys.append(found[0])
                 positions.add(found[1])
             if len(chunk_keys) == self.workers and len(positions) == 1:
-                return Source(tier.name, tuple(chunk_keys), positions.pop(), key)
+                return Source(tier, tuple(chunk_keys), positions.pop(), key)
         return None
 
     def _locate_shared(self, keys: list[str]) -> None:
@@ -160,37 +159,37 @@ class SchedulerSide:
         if self.shared is None or self.signature is None:
             return
         shards = [shard_key(key, rank, self.workers) for key in keys for rank in range(self.workers)]
-        for tier in self.shared.shared:
-            self._located.update(((tier.name, shard), found) for shard, found in zip(shards, tier.locate_many(shards)))
+        for tier, where in self.shared.locate_shared(shards).items():
+            self._located.update(((tier, shard), found) for shard, found in zip(shards, where))
 
     def _held_everywhere(self, key: str) -> bool:
         """Every shared tier holds this block for every worker, checked (a chunk file only
         indexed may be damaged: saving over it repairs it)."""
-        for tier in self.shared.shared if self.shared is not None else ():
+        for tier in self.shared.shared_names if self.shared is not None else ():
             for rank in range(self.workers):
                 shard = shard_key(key, rank, self.workers)
-                found = self._located.get((tier.name, shard))
+                found = self._located.get((tier, shard))
                 if found is None or not self._holds(tier, found[0], found[1], shard):
                     return False
         return self.shared is not None
 
-    def _holds(self, tier: Any, chunk_key: str, position: int, block_key: str) -> bool:
+    def _holds(self, tier: str, chunk_key: str, position: int, block_key: str) -> bool:
         """Whether the shared chunk, checked, holds ``block_key`` at ``position``."""
         keys = self._checked_keys(tier, chunk_key)
         return keys is not None and holds(keys, position, block_key)
 
-    def _checked_keys(self, tier: Any, chunk_key: str) -> tuple[str, ...] | None:
+    def _checked_keys(self, tier: str, chunk_key: str) -> tuple[str, ...] | None:
         """Read and check a shared chunk (checksum, and that it fits the workers' cache)
         before it is promised to a worker, again whenever it changed or vanished since (one
         stat tells) or a worker could not load it; its block keys, None for a damaged or
         foreign one, which is never promised."""
-        memo = (tier.name, chunk_key)
-        identity = tier.identity(chunk_key)
+        memo = (tier, chunk_key)
+        identity = self.shared.identity(tier, chunk_key)
         if identity is None:
             self._checked.pop(memo, None)
             return None
         if memo not in self._checked or self._checked[memo][0] != identity:
-            chunk = tier.get(chunk_key)
+            chunk = self.shared.peek(tier, chunk_key)
             good = chunk is not None and chunk.signature == self.signature
             self._checked[memo] = (identity, tuple(chunk.block_keys) if good else None)
             if len(self._checked) > CHECKED_CHUNKS:

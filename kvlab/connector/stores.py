@@ -1,14 +1,12 @@
 """This process's connector state, by store name: the counters of its connectors and, in a
-worker process, the worker's tiers; with experiment controls over them, called in the
+worker process, the worker's tiers. vLLM builds each connector itself, so the scheduler and
+worker sides of one process find their shared counters here; a harness reads them in the
 process that holds them (``LLM.collective_rpc`` reaches a worker in another process)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Callable
-
 from kvlab.connector.config import ConnectorConfig
-from kvlab.store.damage import damage_chunks
 from kvlab.store.store import KVStore
 from kvlab.store.tiers import StoreStats
 
@@ -82,13 +80,9 @@ def reset_stores() -> None:
     _SHARED.clear()
 
 
-def damage_memory_tiers(damage: str) -> Callable[[], None]:
-    """Damage every store's in-memory chunks in place (kvlab.store.damage: the engine
-    checks' sensitivity controls, called inside the worker process); returns the undo.
-    The memory tier is trusted by default (``verify="disk"``), so the next hits load the
-    damage, and a check that still passes after it cannot be looking at the reloaded KV."""
-    stores = [entry.store for entry in _SHARED.values() if entry.store is not None]
-    return damage_chunks([chunk.buffer for store in stores for chunk in store.memory_chunks()], damage)
+def worker_stores() -> list[KVStore]:
+    """Every worker's tiers opened in this process."""
+    return [entry.store for entry in _SHARED.values() if entry.store is not None]
 
 
 def all_stats() -> dict[str, dict]:

@@ -25,7 +25,7 @@ from kvlab.cache.allocation import KVCache
 from kvlab.connector.config import ConnectorConfig
 from kvlab.connector.messages import KVLabMetadata, KVLabWorkerMeta, LoadSpec, SaveSpec
 from kvlab.connector.registration import cross_layer_decision, runs_per_block, tensor_parallel_rank
-from kvlab.connector.stores import ConnectorStats, worker_store
+from kvlab.connector.stores import ConnectorStats, new_worker_store, worker_store
 from kvlab.connector.weights import watch_weight_loads, weights_epoch
 from kvlab.store.chunk import Chunk
 from kvlab.store.keys import signature
@@ -88,6 +88,17 @@ class WorkerSide:
         self._missed: set[tuple[str, str]] = set()
         self._layer_saves: list[LayerSave] | None = None  # this step's saves, copied layer by layer
         self._layer_saves_of: KVLabMetadata | None = None  # the step they belong to
+
+    def act_as_rank(self, rank: int, workers: int) -> None:
+        """Be tensor-parallel rank ``rank`` of ``workers``, with a memory tier of its own, as
+        if in a process of its own: several ranks in one process (kvlab.testing.driver)."""
+        if not 0 <= rank < workers:
+            raise ValueError(f"rank {rank} is not one of {workers} workers")
+        if self.cache is not None:
+            raise RuntimeError("a worker takes its rank before its cache is registered")
+        self.rank, self.workers = rank, workers
+        if workers > 1:
+            self.store = new_worker_store(self.config)
 
     # ---- registration ------------------------------------------------------------------
     def register(self, cache: KVCache) -> None:

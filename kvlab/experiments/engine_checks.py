@@ -16,9 +16,10 @@ from typing import Any, Sequence
 from kvlab.experiments.paths import Reuse
 from kvlab.experiments.tasks import GSMTask, GymTask, book_text, text_windows
 from kvlab.experiments.ttft import run_any_engine
-from kvlab.runtime.engine import EngineSpec, check_inputs, first_difference, run_engine, same_outputs
 from kvlab.runtime.processes import failure_line
 from kvlab.runtime.progress import progress
+from kvlab.testing.compare import first_difference, same_outputs
+from kvlab.testing.engine import EngineSpec, check_inputs, run_engine
 
 RECOMPUTE, CONTROL = Reuse.RECOMPUTE.label, Reuse.VLLM_PREFIX_HIT.label
 

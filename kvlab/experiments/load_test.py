@@ -22,8 +22,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvlab.runtime.engine import SPLIT_DRIFT, EngineSpec, first_difference, gap_through_divergence, run_engine
 from kvlab.runtime.progress import progress
+from kvlab.testing.compare import SPLIT_DRIFT, first_difference, gap_through_divergence
+from kvlab.testing.engine import EngineSpec, run_engine
 
 FAULTS = ("shm-vanish", "disk-damage", "disk-vanish")
 BLOCK = 32

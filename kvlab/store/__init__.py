@@ -3,13 +3,14 @@
 shm, disk, redis) composed by :class:`KVStore`. Needs torch only (redis-py for the Redis
 tier); docs/reliability.md says what it promises."""
 
-from kvlab.store.chunk import Chunk, checksum
+from kvlab.store.chunk import Chunk, ForgedChunk, checksum, from_bytes, to_bytes
 from kvlab.store.keys import block_hashes, folder_fingerprint, shard_key, signature, valid_key
 from kvlab.store.store import Fetched, KVStore, Stored
 from kvlab.store.tiers import (
     RETRY_FIRST_S,
     RETRY_MAX_S,
     STALE_TMP_S,
+    BookedTier,
     DiskTier,
     MemoryTier,
     RedisTier,
@@ -18,6 +19,7 @@ from kvlab.store.tiers import (
     Tier,
     register_tier,
     tier_names,
+    unregister_tier,
 )
 
 __all__ = [
@@ -25,5 +27,5 @@ __all__ = [
     "shard_key",
     "valid_key", "block_hashes", "signature", "folder_fingerprint", "checksum", "Chunk", "RETRY_FIRST_S",
     "RETRY_MAX_S", "STALE_TMP_S", "StoreStats", "Tier", "MemoryTier", "DiskTier", "KVStore", "Fetched", "Stored",
-    "register_tier", "tier_names",
+    "register_tier", "tier_names", "unregister_tier", "BookedTier", "ForgedChunk", "from_bytes", "to_bytes",
 ]

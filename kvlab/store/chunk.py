@@ -7,6 +7,7 @@ key (a CRC stops damage, not a writer who recomputes it)."""
 from __future__ import annotations
 
 import hmac
+import io
 import json
 import re
 import struct
@@ -197,6 +198,30 @@ def chunk_from(header: Header, flat: torch.Tensor) -> Chunk:
         offset += count
     buffer = from_storage(header.layout, header.geometry, len(header.block_keys), tensors)
     return Chunk(header.block_keys, buffer, header.signature, header.crc)
+
+
+class ForgedChunk(ValueError):
+    """A stored chunk whose MAC the store's ``auth_key`` does not give."""
+
+
+def to_bytes(chunk: Chunk, auth_key: bytes | None = None) -> bytes:
+    """A chunk as one value, its header then its payload: what a tier that keeps bytes
+    (Redis, or one of your own) stores, and :func:`from_bytes` reads back."""
+    return encode_header(chunk, auth_key) + b"".join(payload(chunk))
+
+
+def from_bytes(value: bytes, chunk_key: str, auth_key: bytes | None = None) -> Chunk:
+    """The chunk a :func:`to_bytes` value stored under ``chunk_key`` holds, checked: its
+    header against the schema, its checksum and, with ``auth_key``, its MAC. ValueError
+    for anything else (:class:`ForgedChunk` for a MAC that does not match): a tier drops it."""
+    header = parse_header(io.BytesIO(value), chunk_key, len(value))
+    flat = torch.frombuffer(bytearray(value[header.payload_start:]), dtype=torch.uint8)
+    chunk = chunk_from(header, flat)
+    if not chunk.intact():
+        raise ValueError("checksum does not match")
+    if auth_key is not None and not authentic(header, auth_key, flat):
+        raise ForgedChunk("no valid MAC for this store's auth_key")
+    return chunk
 
 
 def _is_int(value: object) -> bool:

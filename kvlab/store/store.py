@@ -100,8 +100,12 @@ class KVStore:
     # ---- what it is made of (read-only) ------------------------------------------------
     @property
     def shared(self) -> tuple[Tier, ...]:
-        """The shared tiers, in lookup order (a scheduler looks them up through the Tier protocol)."""
+        """The shared tiers, in lookup order."""
         return self._shared
+
+    @property
+    def shared_names(self) -> tuple[str, ...]:
+        return tuple(tier.name for tier in self._shared)
 
     @property
     def disk(self) -> DiskTier | None:
@@ -152,6 +156,26 @@ class KVStore:
                 return Fetched(chunk, source.name, tuple(missed), dropped)
             missed.append(source.name)
         return Fetched(None, None, tuple(missed), dropped)
+
+    # ---- what a scheduler asks of the shared tiers, without loading ---------------------
+    def check_shared(self) -> None:
+        """Raise when a shared tier cannot be reached (a connector's start-up)."""
+        for tier in self._shared:
+            tier.check()
+
+    def locate_shared(self, block_keys: list[str]) -> dict[str, list[tuple[str, int] | None]]:
+        """Where each shared tier holds each block, as (chunk key, position): one call per
+        tier (one round trip to a remote one) for all of them."""
+        return {tier.name: tier.locate_many(block_keys) for tier in self._shared}
+
+    def identity(self, tier: str, chunk_key: str) -> object | None:
+        """What changes when the chunk ``tier`` stores under ``chunk_key`` does; None: gone."""
+        return self.tier(tier).identity(chunk_key)
+
+    def peek(self, tier: str, chunk_key: str) -> Chunk | None:
+        """The chunk as ``tier`` holds it, checked, neither marked used nor kept in memory:
+        what a scheduler reads before it promises a worker the chunk."""
+        return self.tier(tier).get(chunk_key) if valid_key(chunk_key) else None
 
     def get(self, chunk_key: str, expect: str | None = None, *, tier: str = "memory",
             blocks: Mapping[int, str] | None = None, shard: tuple[int, int] = WHOLE) -> Chunk | None:

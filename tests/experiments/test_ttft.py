@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvlab.runtime.engine import EngineSpec, run_engine  # noqa: E402
+from kvlab.testing.engine import EngineSpec, run_engine  # noqa: E402
 
 
 def test_engine_and_table_bad_input(tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ the attention forward, layerwise loads and saves, each layout and mode from each
 Every engine's cold run is bitwise plain CPU_ATTN's (an engine with kvlab's plugin turned
 off: the same kernels, so the same bits); every connector hit is bitwise vLLM's own prefix
 hit in the same engine (the same prefill split); zeroed or shifted KV moves the outputs.
-Each engine runs in its own process (kvlab.runtime.engine)."""
+Each engine runs in its own process (kvlab.testing.engine)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from conftest import bitwise, hits, loadable
 
 pytest.importorskip("vllm")
 
-from kvlab.runtime.engine import EngineSpec, run_engine  # noqa: E402
+from kvlab.testing.engine import EngineSpec, run_engine  # noqa: E402
 
 # starts engines; one of the extended engine suite (`make test-extended`, CI runs it)
 pytestmark = [pytest.mark.slow, pytest.mark.extended]

@@ -5,7 +5,7 @@ and the hooks, per-layer and cross-layer: test_backend_engine.py);
 other engines in other processes hit through shared memory and through a real Redis
 server; tensor-parallel ranks each keep their own shard, and a load that fails its check
 is recomputed with the same tokens (damaged entries, full and read-only disks:
-test_faults_engine.py). Each engine runs in its own process (kvlab.runtime.engine)."""
+test_faults_engine.py). Each engine runs in its own process (kvlab.testing.engine)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from conftest import bitwise, hits, loadable, prepared, within_split_drift
 
 pytest.importorskip("vllm")
 
-from kvlab.runtime.engine import EngineSpec, run_engine  # noqa: E402
 from kvlab.runtime.models import TINY_LLAMA, model_path  # noqa: E402
+from kvlab.testing.engine import EngineSpec, run_engine  # noqa: E402
 
 # starts engines or servers; one of the extended engine suite (`make test-extended`, CI runs it)
 pytestmark = [pytest.mark.slow, pytest.mark.extended]

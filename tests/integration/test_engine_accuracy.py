@@ -9,30 +9,28 @@ import math
 
 import pytest
 
-from kvlab.experiments.engine_checks import (
-    CONTROL,
-    RECOMPUTE,
-    AccuracyCheck,
-    against_control,
-    reuse_paths,
-)
-from kvlab.experiments.tasks import DISCRIMINATING
-from kvlab.runtime.engine import SPLIT_DRIFT
+from kvlab.experiments.engine_checks import CONTROL, RECOMPUTE, against_control
 from kvlab.store.damage import DAMAGES
+from kvlab.testing.compare import SPLIT_DRIFT
 
 # starts engines; its tests share one accuracy run (one pytest-xdist worker runs them all)
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("engine-accuracy")]
 
+# The README's accuracy example is this module's check: run as written, then checked further.
 # 50 problems: damage still moves the score by 5+ standard errors, and the 4 engines take about 3
-# minutes on 2 busy cores (notebook 04's paper profile runs 200)
+# minutes on 2 busy cores (notebook 04's paper profile runs 200).
 PROBLEMS = 50
 
 
 @pytest.fixture(scope="module")
 def report(smollm2: str):
-    check = AccuracyCheck(smollm2, task=DISCRIMINATING.resized(PROBLEMS), max_tokens=8, windows=1,
-                          prefix_tokens=256, scored_tokens=16, paths=reuse_paths(damages=tuple(DAMAGES))[:4])
-    return check.run()
+    from test_readme import code_run_by
+
+    namespace = {"__name__": "__main__"}
+    exec(compile(code_run_by(__file__), "README.md (accuracy)", "exec"), namespace)  # noqa: S102
+    report = namespace["report"]
+    assert report.check.model == smollm2 and report.task_size == PROBLEMS, "the README checks what this module checks"
+    return report
 
 
 def test_kvlab_reuse_changes_nothing_in_fp32(report) -> None:

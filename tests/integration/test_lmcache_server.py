@@ -21,8 +21,9 @@ if importlib.util.find_spec("lmcache") is None:
     pytest.skip("lmcache is not installed", allow_module_level=True)
 
 
-from kvlab.runtime.engine import EngineSpec  # noqa: E402
-from kvlab.runtime.lmcache import LMCacheError, LMCacheServer, run_on_server  # noqa: E402
+from kvlab.runtime.lmcache import LMCacheError, LMCacheServer  # noqa: E402
+from kvlab.testing.engine import EngineSpec  # noqa: E402
+from kvlab.testing.lmcache import run_on_server  # noqa: E402
 
 # starts engines or servers; one of the extended engine suite (`make test-extended`, CI runs it)
 pytestmark = [pytest.mark.slow, pytest.mark.extended]
@@ -83,7 +84,7 @@ def test_failed_runs_name_a_dead_server(tmp_path, monkeypatch):
     def hang_while_the_server_dies(spec, prompts, timeout, **options):
         assert spec.extra == {"port": server.port}
         kill(server)
-        raise subprocess.TimeoutExpired("python -m kvlab.runtime.engine", timeout)
+        raise subprocess.TimeoutExpired("python -m kvlab.testing.engine", timeout)
 
     spec = EngineSpec(str(tmp_path), "lmcache")
     with LMCacheServer(log_path=tmp_path / "server.log") as server:

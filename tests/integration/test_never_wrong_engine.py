@@ -20,7 +20,7 @@ from conftest import bitwise, hits, within_split_drift
 
 pytest.importorskip("vllm")
 
-from kvlab.runtime.engine import EngineSpec, run_engine  # noqa: E402
+from kvlab.testing.engine import EngineSpec, run_engine  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.extended]
 MIB = 1 << 20

@@ -1,5 +1,7 @@
 """The notebook runner names the notebooks it knows."""
 
+import os
+
 import pytest
 
 from kvlab.runtime.notebooks import notebook_paths
@@ -71,3 +73,39 @@ def test_every_committed_run_record_names_its_profile():
                for number, line in enumerate(path.read_text().splitlines(), 1)
                if line.strip() and json.loads(line).get("record") == "run" and not json.loads(line).get("profile")]
     assert not unnamed, f"run records without a profile: {unnamed}"
+
+
+@pytest.mark.parametrize(("name", "measure", "measured_now"), [
+    ("quick", True, {"fast"}),
+    ("standard", True, {"fast", "engine"}),
+    ("paper", True, {"fast", "engine", "slow"}),
+    ("paper", False, set()),
+])
+def test_a_profile_measures_what_it_can_afford_and_reads_the_rest(tmp_path, monkeypatch, name, measure, measured_now):
+    """quick (the tests) times only the fast sections; standard runs the engines too; paper
+    everything; measure=False nothing. What a profile does not measure comes from the
+    results at hand (fast sections) or the committed ones (engine and slow sections)."""
+    from kvlab.results import Profile, record_run
+
+    here, committed = tmp_path / "here", tmp_path / "committed"
+    monkeypatch.setenv("KVLAB_COMMITTED_RESULTS", str(committed))
+    monkeypatch.delenv("KVLAB_PROFILE", raising=False)
+    for folder, value in ((here, "at hand"), (committed, "committed")):
+        for cost in ("fast", "engine", "slow"):
+            record_run(folder / f"{cost}-cpu.jsonl", [{"value": value}], "cpu")
+    run = Profile(name, measure, here)
+    assert os.environ["KVLAB_PROFILE"] == name, "what it measures records the profile"
+    seen = {cost: run.rows(cost, lambda: [{"value": "now"}], cost)[0]["value"] for cost in ("fast", "engine", "slow")}
+    assert {cost for cost, value in seen.items() if value == "now"} == measured_now
+    assert seen["fast"] in ("now", "at hand")
+    assert all(seen[cost] in ("now", "committed") for cost in ("engine", "slow"))
+    assert run.pick(quick=1, standard=2, paper=3) == {"quick": 1, "standard": 2, "paper": 3}[name]
+
+
+def test_a_profile_names_its_choices():
+    from kvlab.results import Profile
+
+    with pytest.raises(ValueError, match=r"unknown profile 'fast'"):
+        Profile("fast")
+    with pytest.raises(ValueError, match=r"unknown cost 'huge'; choose from \['fast', 'engine', 'slow'\]"):
+        Profile("quick").measures("huge")

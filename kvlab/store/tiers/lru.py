@@ -123,3 +123,23 @@ class Booked:
 
     def __contains__(self, chunk_key: object) -> bool:
         return chunk_key in self._book
+
+
+class BookedTier(Booked):
+    """For a tier that keeps its chunks (or what stands for them: an entry with their
+    ``block_keys`` and ``nbytes``) in an :class:`LRUBook`: the Tier protocol's lookups,
+    identity and discard, answered from the book. A tier adds ``get``, ``put`` and ``check``."""
+
+    def locate(self, block_key: str) -> tuple[str, int] | None:
+        return self._book.locate(block_key)
+
+    def locate_many(self, block_keys: list[str]) -> list[tuple[str, int] | None]:
+        return [self._book.locate(key) for key in block_keys]
+
+    def identity(self, chunk_key: str) -> int | None:
+        """The entry object's id: an entry put again under the key is another one."""
+        entry = self._book.get(chunk_key)
+        return None if entry is None else id(entry)
+
+    def discard(self, chunk_key: str) -> None:
+        self._book.remove(chunk_key)

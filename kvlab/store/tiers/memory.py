@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from kvlab.store.chunk import Chunk
-from kvlab.store.tiers.lru import Booked, LRUBook
+from kvlab.store.tiers.lru import BookedTier, LRUBook
 from kvlab.store.tiers.stats import StoreStats
 
 
-class MemoryTier(Booked):
+class MemoryTier(BookedTier):
     """Chunks in host memory, least recently used evicted first within ``capacity_bytes``.
     Its process's own (not ``shared``); a :class:`~kvlab.store.tiers.Tier` like the others.
     Not locked: :class:`kvlab.store.KVStore` holds its lock around every call."""
@@ -18,22 +18,11 @@ class MemoryTier(Booked):
         self.stats = stats
         self._book: LRUBook[Chunk] = LRUBook(capacity_bytes)
 
-    # ---- lookups -------------------------------------------------------------------
-    def locate(self, block_key: str) -> tuple[str, int] | None:
-        return self._book.locate(block_key)
-
-    def locate_many(self, block_keys: list[str]) -> list[tuple[str, int] | None]:
-        return [self._book.locate(key) for key in block_keys]
-
+    # ---- reads ---------------------------------------------------------------------
     def get(self, chunk_key: str) -> Chunk | None:
         """The chunk, marked used (unchecked: KVStore checks it when ``verify="always"``)."""
         self._book.touch(chunk_key)
         return self._book.get(chunk_key)
-
-    def identity(self, chunk_key: str) -> int | None:
-        """The chunk object's id: a chunk put again under the key is another one."""
-        chunk = self._book.get(chunk_key)
-        return None if chunk is None else id(chunk)
 
     def check(self) -> None:
         """Nothing: memory is always there."""
@@ -49,9 +38,6 @@ class MemoryTier(Booked):
         self.stats.evicted += len(self._book.make_room(chunk.nbytes) or ())
         self._book.add(chunk.key, chunk)
         return True
-
-    def discard(self, chunk_key: str) -> None:
-        self._book.remove(chunk_key)
 
     def clear(self) -> None:
         self._book.clear()

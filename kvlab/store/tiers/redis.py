@@ -4,12 +4,9 @@ paused after (kvlab.store.tiers.backoff)."""
 
 from __future__ import annotations
 
-import io
 from typing import Any, Callable
 
-import torch
-
-from kvlab.store.chunk import Chunk, authentic, chunk_from, encode_header, parse_header, payload
+from kvlab.store.chunk import Chunk, ForgedChunk, from_bytes, to_bytes
 from kvlab.store.keys import valid_key
 from kvlab.store.secrets import redact, resolve_redis_url
 from kvlab.store.tiers.backoff import Backoff
@@ -71,18 +68,10 @@ class RedisTier:
             return None
         self.stats.read_from(self.name)
         try:
-            header = parse_header(io.BytesIO(value), chunk_key, len(value))
+            chunk = from_bytes(value, chunk_key, self.auth_key)
         except ValueError as error:
+            self.stats.forged += isinstance(error, ForgedChunk)
             self._reject(chunk_key, error)
-            return None
-        flat = torch.frombuffer(bytearray(value[header.payload_start:]), dtype=torch.uint8)
-        chunk = chunk_from(header, flat)
-        if not chunk.intact():
-            self._reject(chunk_key, ValueError("checksum does not match"))
-            return None
-        if self.auth_key is not None and not authentic(header, self.auth_key, flat):
-            self.stats.forged += 1
-            self._reject(chunk_key, ValueError("no valid MAC for this store's auth_key"))
             return None
         return chunk
 
@@ -91,7 +80,7 @@ class RedisTier:
         """One round trip: the chunk's value and its blocks' names, pipelined."""
         def write() -> bool:
             pipe = self.client.pipeline(transaction=False)
-            pipe.set(self.PREFIX + "c:" + chunk.key, encode_header(chunk, self.auth_key) + b"".join(payload(chunk)))
+            pipe.set(self.PREFIX + "c:" + chunk.key, to_bytes(chunk, self.auth_key))
             for position, key in enumerate(chunk.block_keys):
                 pipe.set(self.PREFIX + "b:" + key, f"{chunk.key}:{position}")
             pipe.execute()

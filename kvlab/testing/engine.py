@@ -1,6 +1,6 @@
 """Run vLLM's CPU engine with and without KV connectors, one engine per process.
 
-Each engine runs in a fresh Python process (``python -m kvlab.runtime.engine``), so
+Each engine runs in a fresh Python process (``python -m kvlab.testing.engine``), so
 connector stores, compile caches and thread bindings never leak between the things
 compared, and "a new process" is literally one. Every engine is pinned to the same thread
 count (kvlab.runtime.processes). Imports vLLM only in the child process."""
@@ -8,19 +8,18 @@ count (kvlab.runtime.processes). Imports vLLM only in the child process."""
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from kvlab.cache.layouts import VLLM_V29_LAYOUTS
-from kvlab.runtime import worker_calls
 from kvlab.runtime.configs import kv_transfer_config
 from kvlab.runtime.processes import run_child
 from kvlab.runtime.vllm_cpu import check_architecture
 from kvlab.store.damage import DAMAGES
+from kvlab.testing import worker_calls
 
 
 @dataclass
@@ -173,7 +172,7 @@ def run_engine(spec: EngineSpec, prompts: list[list[int]], timeout: float = 900,
         raise ValueError(f"a prompt of {max(map(len, prompts))} tokens plus its output does not fit in "
                          f"max_model_len={spec.max_model_len}")
     check_architecture(spec.model)  # last: the only check that imports vLLM
-    return run_child("kvlab.runtime.engine", {"spec": asdict(spec), "prompts": prompts, "forced": forced,
+    return run_child("kvlab.testing.engine", {"spec": asdict(spec), "prompts": prompts, "forced": forced,
                                               "salts": salts, "loras": loras},
                      f"engine {spec.connector} on {spec.model}", timeout, spec.environment())
 
@@ -337,62 +336,6 @@ def _lora_request(spec: EngineSpec, name: str | None) -> Any:
     from vllm.lora.request import LoRARequest
 
     return LoRARequest(name, list(spec.lora_adapters).index(name) + 1, spec.lora_adapters[name])
-
-
-def summarize(name: str, result: dict, phase: str, **labels: Any) -> dict:
-    """One table row: median, min and max first-token time of a phase over its prompts
-    (and repeats)."""
-    rows = result["phases"][phase]
-    times = [r["seconds"] for r in rows]
-    return {
-        "scenario": name, "phase": phase, **labels, "samples": len(rows),
-        "prompt_tokens": statistics.median(r["prompt_tokens"] for r in rows),
-        "median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
-        "cached_tokens": statistics.median(r["cached_tokens"] for r in rows),
-    }
-
-
-# The bound within which a run that splits the prefill differently (a connector hit computes
-# only the suffix; a run without one, the whole prompt) must agree with it: fp32 sums taken in
-# another order move SmolLM2's chosen-token logprobs by about 1e-5 (an MLA miniature's by
-# 4e-4), a damaged KV by 1e-3 to 10. Against the same-split control (vLLM's own prefix hit)
-# the bound is 0: bitwise.
-SPLIT_DRIFT = 1e-3
-
-
-def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
-    """The first position where two token lists differ (None: equal)."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def gap_through_divergence(row: dict, reference: dict) -> float:
-    """Largest chosen-token logprob difference of two greedy generations from the start up
-    to and including their first different token. Where a small drift flips a near-tie, the
-    two chosen tokens were nearly equally likely, so their logprobs differ by no more than
-    the drift there either; a damaged KV moves them far apart before or at the flip."""
-    diverge = first_difference(row["token_ids"], reference["token_ids"])
-    upto = len(row["token_ids"]) if diverge is None else diverge + 1
-    return max([0.0] + [abs(p - q) for p, q in zip(row["logprobs"][:upto], reference["logprobs"][:upto])])
-
-
-def same_outputs(a: dict, b: dict, phase_a: str = "cold", phase_b: str = "warm") -> dict:
-    """Do two runs agree, prompt by prompt: how many prompts gave identical tokens every
-    time, the largest chosen-token logprob difference, and the largest one up to each
-    prompt's first different token (:func:`gap_through_divergence`, to hold against
-    :data:`SPLIT_DRIFT` when the runs split the prefill differently)."""
-    reference = {row["prompt"]: row for row in a["phases"][phase_a]}
-    same: dict[int, bool] = {}
-    diff = gap = 0.0
-    for row in b["phases"][phase_b]:
-        ref = reference[row["prompt"]]
-        same[row["prompt"]] = same.get(row["prompt"], True) and row["token_ids"] == ref["token_ids"]
-        diff = max([diff] + [abs(p - q) for p, q in zip(row["logprobs"], ref["logprobs"])])
-        gap = max(gap, gap_through_divergence(row, ref))
-    return {"identical": sum(same.values()), "prompts": len(same), "max_logprob_diff": diff,
-            "max_gap_through_divergence": gap}
 
 
 if __name__ == "__main__":

@@ -9,27 +9,45 @@ whatever the connector class: what a forward pass pays for it."""
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 
 class ConnectorClock:
     """Seconds the model runner spends inside the connector's worker-side calls (loads:
     ``start_load_kv``, ``wait_for_layer_load``; saves: ``save_kv_layer``,
-    ``wait_for_save``), whatever the connector class: what a forward pass pays for it."""
+    ``wait_for_save``), whatever the connector class: what a forward pass pays for it.
+    A class is timed once however often it is started (:meth:`install`), and
+    :meth:`uninstall` gives it its own methods back."""
 
     CALLS = {"start_load_kv": "load_s", "wait_for_layer_load": "load_s",
              "save_kv_layer": "save_s", "wait_for_save": "save_s"}
 
-    def __init__(self, transfer: dict | None) -> None:
+    def __init__(self) -> None:
         self.seconds = {"load_s": 0.0, "save_s": 0.0}
+        self._originals: dict[type, dict[str, Any]] = {}
+
+    def install(self, transfer: dict | None) -> None:
+        """Time the connector class that ``transfer`` (a kv_transfer_config) names."""
         if transfer is None:
             return
         from vllm.config import KVTransferConfig
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
         cls = KVConnectorFactory.get_connector_class(KVTransferConfig(**transfer))
+        if cls in self._originals:
+            return
+        self._originals[cls] = {name: cls.__dict__[name] for name in self.CALLS if name in cls.__dict__}
         for name, bucket in self.CALLS.items():
             setattr(cls, name, self._timed(getattr(cls, name), bucket))
+
+    def uninstall(self) -> None:
+        for cls, originals in self._originals.items():
+            for name in self.CALLS:
+                if name in originals:
+                    setattr(cls, name, originals[name])
+                else:
+                    delattr(cls, name)
+        self._originals.clear()
 
     def _timed(self, method, bucket: str):
         def timed(*args, **kwargs):
@@ -46,17 +64,20 @@ class ConnectorClock:
         return spent
 
 
-_CLOCK: ConnectorClock | None = None
+# One clock and one list of damage undos per worker process: collective_rpc calls plain
+# functions, so what one call starts the next one finds here.
+_CLOCK = ConnectorClock()
+_UNDO: list[Callable[[], None]] = []
 
 
 def start_clock(worker: Any, transfer: dict | None) -> None:
-    global _CLOCK
-    _CLOCK = ConnectorClock(transfer)
+    _CLOCK.install(transfer)
+    _CLOCK.read()
 
 
 def read_clock(worker: Any) -> dict[str, float]:
     """The seconds since the last read."""
-    return _CLOCK.read() if _CLOCK is not None else {"load_s": 0.0, "save_s": 0.0}
+    return _CLOCK.read()
 
 
 def kv_cache_layout(worker: Any) -> dict[str, str | None]:
@@ -74,15 +95,16 @@ def connector_stats(worker: Any) -> dict:
     return all_stats()
 
 
-_UNDO: list = []
-
-
 def damage_memory(worker: Any, damage: str) -> None:
-    """Damage the connector's memory chunks (kvlab.store.damage.DAMAGES names the ways):
-    the accuracy checks' sensitivity controls."""
-    from kvlab.connector.stores import damage_memory_tiers
+    """Damage every KVLabConnector store's in-memory chunks in this process in place
+    (kvlab.store.damage.DAMAGES names the ways): the accuracy checks' sensitivity controls.
+    The memory tier is trusted by default (``verify="disk"``), so the next hits load the
+    damage, and a check that still passes after it cannot be looking at the reloaded KV."""
+    from kvlab.connector.stores import worker_stores
+    from kvlab.store.damage import damage_chunks
 
-    _UNDO.append(damage_memory_tiers(damage))
+    buffers = [chunk.buffer for store in worker_stores() for chunk in store.memory_chunks()]
+    _UNDO.append(damage_chunks(buffers, damage))
 
 
 def undo_damage(worker: Any) -> None:

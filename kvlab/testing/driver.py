@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from weakref import WeakKeyDictionary
 from types import SimpleNamespace
 from typing import Any
 
@@ -26,7 +27,6 @@ from kvlab.cache.geometry import ModelGeometry
 from kvlab.cache.layouts import GENERATIONS
 from kvlab.connector.connector import KVLabConnector
 from kvlab.connector.messages import KVLabMetadata
-from kvlab.connector.stores import new_worker_store
 from kvlab.connector.vllm_views import vllm_layer_views
 
 
@@ -67,12 +67,15 @@ def connector_group(geometry: ModelGeometry, num_blocks: int, extra: dict | None
     group = []
     for rank in range(workers):
         worker = KVLabConnector(config, KVConnectorRole.WORKER, kv_config)
-        worker.worker.rank, worker.worker.workers = rank, workers
-        if workers > 1:  # one process per rank in vLLM: a memory tier each
-            worker.worker.store = new_worker_store(worker.config)
+        worker.act_as_rank(rank, workers)
         group.append(worker)
-    scheduler._driver_outputs = KVOutputAggregator(workers)
+    _AGGREGATORS[scheduler] = KVOutputAggregator(workers)
     return scheduler, group
+
+
+# What vLLM's executor keeps beside each engine's scheduler: the combiner of its workers'
+# reports (a request's saves are done once every rank has reported them, step by step).
+_AGGREGATORS: WeakKeyDictionary[KVLabConnector, KVOutputAggregator] = WeakKeyDictionary()
 
 
 @dataclass
@@ -193,7 +196,7 @@ def step(scheduler: KVLabConnector, workers: KVLabConnector | list[KVLabConnecto
                                    invalid_block_ids=worker.get_block_ids_with_load_errors())
         outputs.append(replace(EMPTY_MODEL_RUNNER_OUTPUT, kv_connector_output=report))
         worker.clear_connector_metadata()
-    combined = scheduler._driver_outputs.aggregate(outputs).kv_connector_output
+    combined = _AGGREGATORS[scheduler].aggregate(outputs).kv_connector_output
     scheduler.update_connector_output(combined)
     return {"report": combined, "load_s": times[0][0], "save_s": times[0][1]}
 
@@ -207,6 +210,10 @@ def settle(scheduler: KVLabConnector, workers: KVLabConnector | list[KVLabConnec
     return step(scheduler, workers, empty_step(), finished=finished)["report"].finished_sending or set()
 
 
+# Empty steps a lookup may wait for the saves that would extend it (each one flushes them).
+MAX_LOOKUP_STEPS = 100
+
+
 def prefill(scheduler: KVLabConnector, worker: KVLabConnector | list[KVLabConnector], req_id: str, prompt: list[int],
             block_ids: list[int], layerwise: bool = False, ascend_hooks: bool = False,
             **request_fields: Any) -> dict[str, Any]:
@@ -217,9 +224,14 @@ def prefill(scheduler: KVLabConnector, worker: KVLabConnector | list[KVLabConnec
     Returns hits, the seconds the worker blocked, and the step's reports."""
     request = vllm_request(req_id, prompt, **request_fields)
     hit, _ = scheduler.get_num_new_matched_tokens(request, 0)
-    while hit is None:
+    for _ in range(MAX_LOOKUP_STEPS):
+        if hit is not None:
+            break
         settle(scheduler, worker)
         hit, _ = scheduler.get_num_new_matched_tokens(request, 0)
+    else:
+        raise RuntimeError(f"request {req_id}'s lookup still waited on pending saves after "
+                           f"{MAX_LOOKUP_STEPS} empty steps")
     scheduler.update_state_after_alloc(request, None, hit)
     result = step(scheduler, worker, schedule(req_id, prompt, block_ids, hit), layerwise, ascend_hooks)
     held, _ = scheduler.request_finished(request, block_ids)

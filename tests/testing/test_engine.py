@@ -1,16 +1,10 @@
-"""How kvlab.runtime.engine orders its phases and compares two runs (no engine started)."""
+"""How kvlab.testing.engine orders its phases and kvlab.testing.compare compares two runs
+(no engine started)."""
 
 import pytest
 
-from kvlab.runtime.engine import (
-    SPLIT_DRIFT,
-    EngineSpec,
-    _schedule,
-    first_difference,
-    gap_through_divergence,
-    run_engine,
-    same_outputs,
-)
+from kvlab.testing.compare import SPLIT_DRIFT, first_difference, gap_through_divergence, same_outputs
+from kvlab.testing.engine import EngineSpec, _schedule, run_engine
 
 
 def run(*rows: tuple[list[int], list[float]], phase: str = "cold") -> dict:
