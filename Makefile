@@ -2,7 +2,7 @@
 # and `make test`. Both create .venv on first use.
 PY := .venv/bin/python
 
-.PHONY: run test test-extended env figures lab
+.PHONY: run test test-extended conformance env figures lab
 env:
 	@bash scripts/setup-env
 
@@ -21,6 +21,13 @@ test: env
 
 test-extended: env
 	$(PY) -m pytest -n 2 --dist loadgroup --durations=25 -m extended
+
+# KVLabConnector's driver-level tests against the newest vLLM's code (requirements/vllm-next.txt,
+# put in front of .venv's packages by scripts/setup-vllm-next), on the CPU; CI runs it too.
+CONFORMANCE := tests/conformance tests/connector tests/testing/test_driver.py tests/testing/test_worker_calls.py
+conformance: env
+	@bash scripts/setup-vllm-next
+	PYTHONPATH=.venv-vllm-next $(PY) -m pytest -n 2 --dist loadgroup -m "not extended" $(CONFORMANCE)
 
 # Redraw every figure from the committed results in data/results (measures nothing).
 figures: env

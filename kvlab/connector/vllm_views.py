@@ -1,6 +1,7 @@
 """vLLM as the oracle: the per-layer views the installed vLLM (>= 0.29) itself builds.
 
-Calls vLLM's own ``get_kv_cache_config_from_groups`` and ``allocate_kv_cache`` with a
+Calls vLLM's own ``get_kv_cache_config_from_groups`` (kvlab.connector.vllm_versions finds it in
+each release) and ``allocate_kv_cache`` with a
 small stand-in config, so kvlab's layouts can be checked against vLLM view by view.
 Imports vLLM only when called.
 """
@@ -14,11 +15,11 @@ import torch
 from kvlab.cache.allocation import layer_name
 from kvlab.cache.geometry import ModelGeometry
 from kvlab.cache.layouts import VLLM_V29_LAYOUTS
+from kvlab.connector.vllm_versions import kv_cache_config_from_groups
 
 
 def vllm_layer_views(layout: str, geometry: ModelGeometry, num_blocks: int) -> dict[str, torch.Tensor]:
     """The per-layer KV views vLLM allocates for ``layout`` (one of its KVCacheLayout names)."""
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MLAAttentionSpec
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.worker.utils import allocate_kv_cache
@@ -43,7 +44,7 @@ def vllm_layer_views(layout: str, geometry: ModelGeometry, num_blocks: int) -> d
         ),
         attention_config=SimpleNamespace(hisparse_config=None),
     )
-    kv_config = get_kv_cache_config_from_groups(
+    kv_config = kv_cache_config_from_groups()(
         config, [KVCacheGroupSpec(names, spec)], num_blocks * geometry.block_bytes
     )
     return allocate_kv_cache(kv_config, torch.device("cpu"), vllm_layout)

@@ -3,7 +3,8 @@
 A block's key covers a fingerprint of the model folder (kvlab.connector.keys.model_seed),
 which is what an engine runs from start-up. An RL trainer then loads new weights into the
 running engine (``Worker.reload_weights`` with an iterator or a path, through
-``LLM.collective_rpc``): each load starts a new *weights epoch*, a random token the
+``LLM.collective_rpc``, or a weight-transfer session: :data:`WEIGHT_LOADS`): each load starts
+a new *weights epoch*, a random token the
 worker writes to a small file of this user's (one per engine, named by vLLM's
 ``engine_id``, which every process of the engine shares). The scheduler reads it at every
 lookup and folds it into every key, so the first request after a load already misses; a
@@ -63,22 +64,39 @@ def forget_epoch(engine_id: str | None) -> None:
         _epoch_path(engine_id).unlink(missing_ok=True)
 
 
-def watch_weight_loads() -> None:
-    """Make every ``reload_weights`` of vLLM's model runners (the GPU runner and the CPU
-    runner, which inherits it) start a new epoch for its engine, in this process; once."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    original = GPUModelRunner.reload_weights
-    if getattr(original, "_kvlab_watched", False):
-        return
-
-    def reload_weights(self, *args, **kwargs):
+def _new_epoch_after(method):
+    """``method`` of a vLLM worker or model runner (``self.vllm_config``), starting a new
+    epoch for its engine when it returns or fails: weights loaded half-way are neither the
+    old ones nor the new."""
+    def watched(self, *args, **kwargs):
         try:
-            return original(self, *args, **kwargs)
-        finally:  # a load that failed half-way leaves weights that are neither old nor new
+            return method(self, *args, **kwargs)
+        finally:
             transfer = getattr(self.vllm_config, "kv_transfer_config", None)
             if transfer is not None and transfer.engine_id:
                 new_weights_epoch(transfer.engine_id)
 
-    reload_weights._kvlab_watched = True
-    GPUModelRunner.reload_weights = reload_weights
+    watched._kvlab_watched = True
+    return watched
+
+
+# Every way vLLM puts new weights into a running engine (0.32 and 0.33 alike): the model
+# runner's reload_weights (``Worker.reload_weights``, from a path or an iterator), and the
+# weight-transfer sessions of RL trainers, which bypass it (``start_weight_update``, then
+# chunks by ``update_weights``, then ``finish_weight_update``): an epoch when a session
+# starts and another when it ends, so nothing computed with partial weights is ever served.
+WEIGHT_LOADS = (("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "reload_weights"),
+                ("vllm.v1.worker.gpu_worker", "Worker", "start_weight_update"),
+                ("vllm.v1.worker.gpu_worker", "Worker", "finish_weight_update"))
+
+
+def watch_weight_loads() -> None:
+    """Make every weight load of vLLM's workers and model runners (the GPU ones, which the
+    CPU ones inherit) start a new epoch for its engine, in this process; once each."""
+    import importlib
+
+    for module, owner, name in WEIGHT_LOADS:
+        cls = getattr(importlib.import_module(module), owner)
+        method = getattr(cls, name, None)
+        if method is not None and not getattr(method, "_kvlab_watched", False):
+            setattr(cls, name, _new_epoch_after(method))

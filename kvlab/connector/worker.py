@@ -21,11 +21,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvlab.cache.allocation import KVCache
+from kvlab.cache.allocation import KVCache, first_tensor
 from kvlab.connector.config import ConnectorConfig
 from kvlab.connector.messages import KVLabMetadata, KVLabWorkerMeta, LoadSpec, SaveSpec
 from kvlab.connector.registration import cross_layer_decision, runs_per_block, tensor_parallel_rank
-from kvlab.connector.stores import ConnectorStats, new_worker_store, worker_store
+from kvlab.connector.stores import ConnectorStats, worker_store
 from kvlab.connector.weights import watch_weight_loads, weights_epoch
 from kvlab.store.chunk import Chunk
 from kvlab.store.keys import signature
@@ -52,11 +52,6 @@ class LayerSave:
         return self.error is not None or len(self.queued) == num_layers
 
 
-def _first(kv_layer: Any) -> Any:
-    """A layer's first tensor (its K, or its only tensor)."""
-    return kv_layer[0] if isinstance(kv_layer, (tuple, list)) else kv_layer
-
-
 class WorkerSide:
     def __init__(self, config: ConnectorConfig, stats: ConnectorStats, engine_id: str | None = None) -> None:
         self.config = config
@@ -73,6 +68,7 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._copy_workers = 1
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvlab-save") if config.async_saves else None
+        self.suspended = False  # sleep mode: the KV memory is suspended (vLLM >= 0.33)
         self._lock = threading.Lock()
         self._jobs: dict[str, list[Future]] = {}  # request -> its save jobs not yet reported
         self._finished: set[str] = set()  # finished requests waiting for their saves
@@ -88,17 +84,6 @@ class WorkerSide:
         self._missed: set[tuple[str, str]] = set()
         self._layer_saves: list[LayerSave] | None = None  # this step's saves, copied layer by layer
         self._layer_saves_of: KVLabMetadata | None = None  # the step they belong to
-
-    def act_as_rank(self, rank: int, workers: int) -> None:
-        """Be tensor-parallel rank ``rank`` of ``workers``, with a memory tier of its own, as
-        if in a process of its own: several ranks in one process (kvlab.testing.driver)."""
-        if not 0 <= rank < workers:
-            raise ValueError(f"rank {rank} is not one of {workers} workers")
-        if self.cache is not None:
-            raise RuntimeError("a worker takes its rank before its cache is registered")
-        self.rank, self.workers = rank, workers
-        if workers > 1:
-            self.store = new_worker_store(self.config)
 
     # ---- registration ------------------------------------------------------------------
     def register(self, cache: KVCache) -> None:
@@ -118,10 +103,29 @@ class WorkerSide:
                     "one segment per block" if cache.layout.is_cross_layer else "per-layer segments",
                     list(self.config.tier_names), cross_layer_decision(self.config.enable_cross_layers_blocks, cache))
 
+    # ---- sleep mode (vLLM >= 0.33) -------------------------------------------------------
+    def suspend(self) -> None:
+        """Before ``Worker.sleep`` suspends the KV memory: finish all that reads it (queued
+        saves, layerwise loads), then touch it no more. Stored chunks stay. Idempotent."""
+        self._finish_loads()
+        self.flush()
+        self._layer_saves, self._layer_saves_of, self.suspended = None, None, True
+
+    def resume(self) -> None:
+        """After wake-up: vLLM's tensors again, checked and registered anew. Idempotent."""
+        if self.suspended and self.cache is not None:
+            self.register(self.cache)
+        self.suspended = False
+
+    def _awake(self, work: object) -> None:
+        if work and self.suspended:  # vLLM runs no step while asleep: a caller's mistake
+            raise RuntimeError("KVLabConnector: KV to move while the KV cache sleeps: wake the engine up first")
+
     # ---- loads -------------------------------------------------------------------------
     def start_load_kv(self, meta: KVLabMetadata) -> None:
         if not meta.loads:
             return
+        self._awake(meta.loads)
         start = time.perf_counter()
         try:
             if meta.weights_epoch != weights_epoch(self.engine_id):
@@ -228,6 +232,7 @@ class WorkerSide:
 
     # ---- saves -------------------------------------------------------------------------
     def wait_for_save(self, meta: KVLabMetadata | None) -> None:
+        self._awake(meta is not None and meta.saves)
         if self._loads:  # a step whose layers never all waited (e.g. no attention ran)
             try:
                 self._finish_loads()
@@ -259,8 +264,9 @@ class WorkerSide:
         for ``wait_for_save``, which still cancels a save that a failed load left wrong."""
         if meta is None or not meta.saves:
             return
+        self._awake(meta.saves)
         start = time.perf_counter()
-        if _first(kv_layer).data_ptr() != _first(self.cache.layers[layer_name]).data_ptr():
+        if first_tensor(kv_layer).data_ptr() != first_tensor(self.cache.layers[layer_name]).data_ptr():
             raise ValueError(f"KVLabConnector: save_kv_layer({layer_name!r}) was given KV that is not that layer "
                              f"of the registered {self.cache.layout.name} cache")
         if self._layer_saves is None or self._layer_saves_of is not meta:  # the step's first layer
@@ -382,7 +388,7 @@ class WorkerSide:
         return meta if meta else None
 
     def flush(self) -> None:
-        """Wait for every queued save (at shutdown, and in tests)."""
+        """Wait for every queued save (at shutdown, before sleep, in tests)."""
         if self._saver is not None:
             self._saver.submit(lambda: None).result()
 

@@ -101,7 +101,8 @@ def registration_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "kvlab.connector" and r.levelno >= logging.INFO]
 
 
-def test_cross_layer_views_are_recognised_as_block_major(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+def test_cross_layer_views_are_recognised_as_block_major(tmp_path, caplog: pytest.LogCaptureFixture,
+                                                         vllm_cpu_build) -> None:
     _, worker = connectors(GQA, {"enable_cross_layers_blocks": True, "store": "disk", "disk_path": str(tmp_path)})
     with caplog.at_level(logging.INFO, logger="kvlab.connector"):
         register(worker, "vllm>=0.29 BLHNC", GQA, NUM_BLOCKS)
@@ -249,7 +250,7 @@ def test_defaults() -> None:
 
 
 def test_cross_layer_request_on_cpu_falls_back_and_the_registration_line_says_why(
-        caplog: pytest.LogCaptureFixture) -> None:
+        caplog: pytest.LogCaptureFixture, vllm_cpu_build) -> None:
     """One INFO line per worker: the layout, the tiers, what became of the cross-layer request
     (here: this process never loaded kvlab's backend plugin, so vLLM keeps CPU_ATTN's LBHNC)."""
     assert KVLabConnector.get_required_kvcache_layout(stand_in_config(GQA, {"enable_cross_layers_blocks": True})) == "BLHNC"

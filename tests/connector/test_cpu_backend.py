@@ -23,7 +23,7 @@ from kvlab.connector.backend import READABLE_LAYOUTS, KVLabCPUAttentionBackend, 
 from kvlab.testing.driver import connector_pair, prefill  # noqa: E402
 from kvlab.testing.driver import register as register_cache  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("fresh_stores")
+pytestmark = pytest.mark.usefixtures("fresh_stores", "vllm_cpu_build")
 
 LAYERS, BLOCKS, HEADS, BLOCK, DIM, QUERY_HEADS, TOKENS = 3, 6, 2, 32, 64, 4, 50
 TABLE = [5, 2]  # the sequence's blocks, out of order

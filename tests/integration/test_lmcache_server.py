@@ -76,7 +76,7 @@ def test_killed_server_is_reported_and_no_engine_starts(tmp_path):
 def test_failed_runs_name_a_dead_server(tmp_path, monkeypatch):
     """An engine run that fails or hangs: its own error while the server lives, an
     LMCacheError naming the server once it is dead (the engine is a stand-in here)."""
-    import kvlab.runtime.lmcache
+    import kvlab.testing.lmcache
 
     def crash(spec, prompts, timeout, **options):
         raise RuntimeError("engine crashed")
@@ -88,11 +88,11 @@ def test_failed_runs_name_a_dead_server(tmp_path, monkeypatch):
 
     spec = EngineSpec(str(tmp_path), "lmcache")
     with LMCacheServer(log_path=tmp_path / "server.log") as server:
-        monkeypatch.setattr(kvlab.runtime.lmcache, "run_engine", crash)
+        monkeypatch.setattr(kvlab.testing.lmcache, "run_engine", crash)
         with pytest.raises(RuntimeError, match="engine crashed") as failure:
             run_on_server(server, spec, [[1, 2, 3]])
         assert not isinstance(failure.value, LMCacheError)
-        monkeypatch.setattr(kvlab.runtime.lmcache, "run_engine", hang_while_the_server_dies)
+        monkeypatch.setattr(kvlab.testing.lmcache, "run_engine", hang_while_the_server_dies)
         with pytest.raises(LMCacheError, match="did not finish within 7 s.*port .* is dead"):
             run_on_server(server, spec, [[1, 2, 3]], timeout=7)
     assert server.pids() == []

@@ -83,3 +83,17 @@ def test_readme_commands_and_ci():
     readme = (ROOT / "README.md").read_text()
     assert "make run" in readme and "make test" in readme
     assert "make test" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_the_gpu_requirements_resolve_to_their_pins():
+    """requirements/gpu.txt as scripts/check-gpu-install last resolved it (pip's dry run against
+    the package index): every pin at its version, vLLM's torch with it, and the record made
+    from this very list (re-run the script after changing it)."""
+    import json
+
+    record = json.loads((ROOT / "data" / "results" / "gpu-install-resolution.json").read_text())
+    text = (ROOT / "requirements" / "gpu.txt").read_text().splitlines()
+    assert record["requirements"] == [line.strip() for line in text if line.strip() and not line.startswith("#")]
+    wanted = pins(text)
+    assert {name: record["packages"].get(name) for name in wanted} == wanted
+    assert record["packages"]["torch"].startswith("2.14"), "vllm 0.33.0 pins torch 2.14"
