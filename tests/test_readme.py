@@ -50,6 +50,7 @@ SETUP_COMMANDS = {
     "make test": "is this test suite: it would recurse",
     "make lab": "starts JupyterLab and waits for a browser",
     "make figures": "redraws every figure from the committed results (the notebooks' tests cover it)",
+    "make conformance": "runs the connector's tests against the newest vLLM's code (CI runs it after these)",
     "conda env create": "builds a second environment",
 }
 POLICIES = ("fast", "slow", "server", "test", "skip")

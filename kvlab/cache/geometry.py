@@ -235,14 +235,17 @@ def preset(name: str, **changes: Any) -> ModelGeometry:
 
 
 def resolve_model(model: str, *, dtype: str | torch.dtype | None = None, block_size: int = 16) -> ModelGeometry:
-    """A preset name, or a path to a Hugging Face model folder or its config.json."""
+    """A preset name, or a path to a Hugging Face model folder or its config.json (named after
+    the folder: a config's own name is often a training run's, or only its architecture's)."""
     if model.lower() in PRESETS:
         changes: dict[str, Any] = {"block_size": block_size}
         if dtype is not None:
             changes["dtype"] = dtype
         return preset(model, **changes)
-    if Path(model).exists():
-        return ModelGeometry.from_hf_config(model, dtype=dtype, block_size=block_size)
+    path = Path(model)
+    if path.exists():
+        folder = path if path.is_dir() else path.parent
+        return ModelGeometry.from_hf_config(path, name=folder.resolve().name, dtype=dtype, block_size=block_size)
     raise ValueError(
         f"unknown model {model!r}: not a preset ({sorted(PRESETS)}) and no such folder or config.json"
     )

@@ -40,8 +40,12 @@ def test_unknown_preset_lists_choices():
 
 
 def test_config_folder_and_dict(tmp_path):
-    (tmp_path / "config.json").write_text((CONFIGS / "qwen3-8b.json").read_text())
-    assert resolve_model(str(tmp_path), block_size=32).block_size == 32
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    (folder / "config.json").write_text((CONFIGS / "qwen3-8b.json").read_text())
+    geometry = resolve_model(str(folder), block_size=32)
+    assert geometry.block_size == 32 and geometry.name == "my-model", "named after the folder a user gave"
+    assert resolve_model(str(folder / "config.json")).name == "my-model"
     multimodal = {"text_config": json.loads((CONFIGS / "llama-3.1-8b.json").read_text())}
     assert ModelGeometry.from_hf_config(multimodal).num_layers == 32
 
