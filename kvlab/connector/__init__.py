@@ -9,15 +9,32 @@ kvlab.hooks from its forward. ``kvlab.testing.driver`` drives the connector as v
 scheduler and each runner generation do, without an engine.
 """
 
-from kvlab.connector.config import CROSS_LAYER_LAYOUT, TIERS, ConnectorConfig
-from kvlab.connector.connector import KVLabConnector
-from kvlab.connector.keys import model_seed, request_keys
-from kvlab.connector.messages import KVLabMetadata, KVLabWorkerMeta, LoadSpec, SaveSpec, Source
-from kvlab.connector.stores import ConnectorStats, all_stats, reset_stores, shared, worker_stores
-from kvlab.connector.worker import runs_per_block
+from __future__ import annotations
 
-__all__ = [
-    "CROSS_LAYER_LAYOUT", "TIERS", "ConnectorConfig", "ConnectorStats", "KVLabConnector", "KVLabMetadata",
-    "KVLabWorkerMeta", "LoadSpec", "SaveSpec", "Source", "all_stats", "model_seed",
-    "request_keys", "reset_stores", "runs_per_block", "shared", "worker_stores",
-]
+import importlib
+from typing import Any
+
+# Each name loads its module on first use: vLLM's getattr(kvlab.connector, "KVLabConnector")
+# loads the connector (and vLLM), while the worker side (kvlab.connector.worker) imports with
+# torch alone, where vLLM is not installed (scripts/device-check runs it on a GPU).
+_WHERE = {
+    **dict.fromkeys(("CROSS_LAYER_LAYOUT", "TIERS", "ConnectorConfig"), "kvlab.connector.config"),
+    "KVLabConnector": "kvlab.connector.connector",
+    **dict.fromkeys(("model_seed", "request_keys"), "kvlab.connector.keys"),
+    **dict.fromkeys(("KVLabMetadata", "KVLabWorkerMeta", "LoadSpec", "SaveSpec", "Source"), "kvlab.connector.messages"),
+    **dict.fromkeys(("ConnectorStats", "all_stats", "reset_stores", "shared", "worker_stores"), "kvlab.connector.stores"),
+    "runs_per_block": "kvlab.connector.registration",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'kvlab.connector' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

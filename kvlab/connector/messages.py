@@ -1,13 +1,21 @@
 """What the scheduler side and the workers tell each other each step; small, picklable,
 and importable in every process (vLLM sends them through its message queues): keys,
-block ids and positions, never tensors."""
+block ids and positions, never tensors. Imports vLLM where it is installed, for the bases
+vLLM expects."""
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+try:  # the bases vLLM expects of a connector's messages
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+except ImportError:  # torch alone (the worker side on a device machine without vLLM): plain bases
+    class KVConnectorMetadata:  # noqa: D101 - vLLM's stand-in
+        pass
+
+    class KVConnectorWorkerMetadata:  # noqa: D101 - vLLM's stand-in
+        pass
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,10 @@ def watch_weight_loads() -> None:
     import importlib
 
     for module, owner, name in WEIGHT_LOADS:
-        cls = getattr(importlib.import_module(module), owner)
+        try:
+            cls = getattr(importlib.import_module(module), owner)
+        except ImportError:  # no vLLM (the worker side driven with torch alone): nothing loads weights
+            return
         method = getattr(cls, name, None)
         if method is not None and not getattr(method, "_kvlab_watched", False):
             setattr(cls, name, _new_epoch_after(method))

@@ -17,6 +17,8 @@ from kvlab.transfer import METHODS
 from kvlab.transfer.registry import method_status
 
 ROOT = Path(__file__).resolve().parents[2]
+# the device suite: the transfers, and KVLabConnector's worker side with torch alone
+DEVICE_TESTS = ("tests/transfer/test_device.py", "tests/connector/test_worker_device.py")
 
 
 @pytest.mark.slow
@@ -57,9 +59,14 @@ def _cpu_caches():
 def _collected_device_tests() -> int:
     """How many tests the device suite holds on the CPU, as pytest collects them."""
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-m", "cuda", "-p", "no:cacheprovider",
-                           str(ROOT / "tests" / "transfer" / "test_device.py")],
+                           *(str(ROOT / path) for path in DEVICE_TESTS)],
                           env={**os.environ, "KVLAB_DEVICE": "cpu"}, capture_output=True, text=True, timeout=300, cwd=ROOT)
     return len([line for line in done.stdout.splitlines() if "::" in line])
+
+
+def test_the_script_runs_the_whole_device_suite():
+    script = (ROOT / "scripts" / "device-check").read_text()
+    assert " ".join(DEVICE_TESTS) in script
 
 
 def _row(method, layout, direction, ratio, cross=False, **extra):
