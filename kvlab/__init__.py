@@ -5,7 +5,7 @@ The subpackages, in dependency order (each imports only those before it):
 - ``kvlab.cache``: geometry, devices, the layout atlas, allocation, segments (torch only)
 - ``kvlab.transfer``: the copy engine and one module per copy method (torch only)
 - ``kvlab.store``: chunks, keys, tiers behind one protocol (torch only)
-- ``kvlab.hooks`` (torch only) and ``kvlab.connector`` (vLLM): layerwise hooks, KVLabConnector
+- ``kvlab.hooks`` (torch only) and ``kvlab.connector`` (vLLM; its worker side torch only): layerwise hooks, KVLabConnector
 - ``kvlab.runtime``: child processes, servers, model folders
 - ``kvlab.testing``: harnesses: the connector driven without an engine, engines run through phases
 - ``kvlab.experiments`` and ``kvlab.results``: what the notebooks measure, and its files
@@ -17,9 +17,7 @@ in neither vLLM nor LMCache.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from kvlab._lazy import lazy_names
 from kvlab.runtime.vllm_cpu import quiet_cpu_triton_notice
 
 __version__ = "0.1.0"
@@ -39,13 +37,4 @@ _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module 'kvlab' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_WHERE[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy_names("kvlab", _WHERE, globals())

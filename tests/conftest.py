@@ -6,6 +6,7 @@ engine run hit, and how two of its phases must agree."""
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,22 @@ def vllm_cpu_build():
 
     if not current_platform.is_cpu():
         pytest.skip(f"needs vLLM's CPU build; this vLLM's platform is {type(current_platform).__name__}")
+
+
+@pytest.fixture
+def slow_saves(monkeypatch):
+    """``slow_saves(worker_side, seconds)``: each of that worker side's saves starts ``seconds``
+    late, so a test can act while saves are still in flight."""
+    def slow(worker_side, seconds: float) -> None:
+        save = worker_side._save
+
+        def late(spec):
+            time.sleep(seconds)
+            save(spec)
+
+        monkeypatch.setattr(worker_side, "_save", late)
+
+    return slow
 
 
 @pytest.fixture

@@ -66,6 +66,17 @@ def test_lazy_public_api():
         kvlab.nothing  # noqa: B018
 
 
+def test_lazy_connector_api():
+    """kvlab.connector loads each name's module on first use (its worker side needs torch
+    alone); vLLM finds KVLabConnector by getattr, as every other name."""
+    import kvlab.connector
+
+    for name in kvlab.connector.__all__:
+        assert getattr(kvlab.connector, name) is not None, name
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        kvlab.connector.nothing  # noqa: B018
+
+
 def test_import_kvlab_loads_no_engine():
     code = ("import sys, kvlab; kvlab.Transfer; kvlab.KVStore; kvlab.TinyAttentionStack;"
             "bad = [m for m in ('vllm', 'lmcache', 'transformers', 'matplotlib') if m in sys.modules];"

@@ -15,7 +15,8 @@ from kvlab.cache.allocation import (
     from_storage,
     layer_name,
 )
-from kvlab.cache.devices import can_pin_memory, check_fits, memory_bytes, npu_available, resolve_device, synchronize
+from kvlab.cache.devices import (can_pin_memory, check_fits, device_here, memory_bytes, npu_available, resolve_device,
+                                 synchronize)
 from kvlab.cache.geometry import DTYPES, PRESETS, ModelGeometry, dtype_name, parse_dtype, preset, resolve_model
 from kvlab.cache.layouts import (
     AXES,
@@ -51,7 +52,7 @@ from kvlab.cache.vllm_history import vllm_history, vllm_layout
 
 __all__ = [
     "register_layout", "unregister_layout",
-    "DTYPES", "PRESETS", "LAYOUTS", "GENERATIONS", "Generation", "Holds", "Kind", "parse_dtype", "dtype_name", "ModelGeometry", "preset", "resolve_model", "npu_available", "resolve_device",
+    "DTYPES", "PRESETS", "LAYOUTS", "GENERATIONS", "Generation", "Holds", "Kind", "parse_dtype", "dtype_name", "ModelGeometry", "preset", "resolve_model", "npu_available", "resolve_device", "device_here",
     "can_pin_memory", "synchronize", "memory_bytes", "check_fits", "AXES", "Layout", "VLLM_V29_LAYOUTS",
     "get_layout", "check_compatible", "compatible_layouts", "vllm_layout", "vllm_history", "Allocation",
     "axis_sizes", "check_num_blocks", "allocations", "KVCache", "layer_name", "allocate", "from_storage", "adopt",

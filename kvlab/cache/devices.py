@@ -40,6 +40,15 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     return torch.device(device)
 
 
+def device_here(device: str | torch.device) -> bool:
+    """Whether ``device`` (e.g. ``"cuda"``, ``"npu:1"``) can be used on this machine."""
+    try:
+        resolve_device(device)
+    except ValueError:
+        return False
+    return True
+
+
 def can_pin_memory() -> bool:
     """Page-locked host memory needs an accelerator runtime (cuda or npu)."""
     return torch.cuda.is_available() or npu_available()

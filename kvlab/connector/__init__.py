@@ -11,8 +11,7 @@ scheduler and each runner generation do, without an engine.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from kvlab._lazy import lazy_names
 
 # Each name loads its module on first use: vLLM's getattr(kvlab.connector, "KVLabConnector")
 # loads the connector (and vLLM), while the worker side (kvlab.connector.worker) imports with
@@ -28,13 +27,4 @@ _WHERE = {
 __all__ = sorted(_WHERE)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module 'kvlab.connector' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_WHERE[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy_names("kvlab.connector", _WHERE, globals())

@@ -4,7 +4,6 @@ which no KV of the old weights may be served."""
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -34,18 +33,12 @@ def blocks(worker, block_ids: list[int]) -> list[torch.Tensor]:
     return [view[block_ids].view(torch.int32).clone() for view in worker.cache.layers.values()]  # bits: random ones hold NaNs
 
 
-def test_sleep_waits_for_saves_in_flight_and_wake_up_serves_them_bitwise(monkeypatch) -> None:
+def test_sleep_waits_for_saves_in_flight_and_wake_up_serves_them_bitwise(slow_saves) -> None:
     """``unregister_kv_caches`` (before ``Worker.sleep`` suspends the KV memory) returns only
     once the queued saves have read it; while asleep a step that moves KV is refused; after
     ``restore_kv_caches`` the stored prefix loads back bit for bit into other blocks."""
     scheduler, worker = engine()
-    slow = worker.worker._save
-
-    def slow_save(spec):
-        time.sleep(0.3)
-        slow(spec)
-
-    monkeypatch.setattr(worker.worker, "_save", slow_save)
+    slow_saves(worker.worker, 0.3)
     request = vllm_request("a", PROMPT)
     scheduler.get_num_new_matched_tokens(request, 0)
     scheduler.update_state_after_alloc(request, None, 0)

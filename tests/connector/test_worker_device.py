@@ -10,13 +10,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 import textwrap
 
 import pytest
 import torch
 
-from kvlab.cache import ModelGeometry, allocate, resolve_device
+from kvlab.cache import ModelGeometry, allocate, device_here, resolve_device
 
 DEVICE = os.environ.get("KVLAB_DEVICE", "cuda")
 GQA = ModelGeometry("tiny-gqa", 3, 2, 64, torch.bfloat16, 16)
@@ -24,15 +23,7 @@ MLA = ModelGeometry.mla("tiny-mla", 3, 64, 32, dtype=torch.bfloat16, block_size=
 TOKENS = list(range(5 * 16 + 7))  # 5 full blocks: chunks of 2, 2 and 1
 
 
-def _usable() -> bool:
-    try:
-        resolve_device(DEVICE)
-    except ValueError:
-        return False
-    return True
-
-
-on_device = [pytest.mark.cuda, pytest.mark.skipif(not _usable(), reason=f"no {DEVICE} device here")]
+on_device = [pytest.mark.cuda, pytest.mark.skipif(not device_here(DEVICE), reason=f"no {DEVICE} device here")]
 
 
 def device_cache(layout: str, geometry: ModelGeometry, num_blocks: int = 16):
@@ -79,17 +70,11 @@ def test_saved_blocks_load_back_bitwise_on_the_device(layout, geometry, layerwis
 @pytest.mark.usefixtures("fresh_stores")
 @on_device[0]
 @on_device[1]
-def test_sleep_waits_for_a_save_in_flight_and_wake_up_loads_it_bitwise(monkeypatch) -> None:
+def test_sleep_waits_for_a_save_in_flight_and_wake_up_loads_it_bitwise(slow_saves) -> None:
     from kvlab.testing.worker_steps import WorkerSteps
 
     steps = WorkerSteps(device_cache("BLHNC", GQA), {"chunk_size": 32})
-    slow = steps.worker._save
-
-    def slow_save(spec):
-        time.sleep(0.2)
-        slow(spec)
-
-    monkeypatch.setattr(steps.worker, "_save", slow_save)
+    slow_saves(steps.worker, 0.2)
     keys = steps.save("a", TOKENS, [3, 9, 1, 12, 6])
     expected = blocks(steps.cache, [3, 9, 1, 12, 6])
     assert steps.stats.saved_blocks < 5, "saves still in flight"

@@ -15,21 +15,13 @@ import torch
 from test_transfer import KV, MLA, PAGED, assert_other_blocks, assert_same_blocks, kv_bytes, random_bits
 
 from kvlab import hooks
-from kvlab.cache import ModelGeometry, allocate, layer_name, resolve_device, scattered_block_ids
+from kvlab.cache import ModelGeometry, allocate, device_here, layer_name, scattered_block_ids
 from kvlab.transfer import METHODS, LayerwiseLoad, Transfer, chunk_buffer, host_buffer, method_status
 
 DEVICE = os.environ.get("KVLAB_DEVICE", "cuda")
 
 
-def _usable() -> bool:
-    try:
-        resolve_device(DEVICE)
-    except ValueError:
-        return False
-    return True
-
-
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not _usable(), reason=f"no {DEVICE} device here")]
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not device_here(DEVICE), reason=f"no {DEVICE} device here")]
 
 
 def moved(cache, device):
