@@ -80,7 +80,7 @@ class ConnectorConfig:
     disk_bytes: int = 16 << 30
     shm_bytes: int = 4 << 30
     chunk_size: int | None = None  # tokens per stored chunk; default 256 rounded to blocks
-    method: str = "gather"  # kvlab.transfer copy method
+    method: str = "auto"  # a kvlab.transfer copy method; "auto": the fastest that runs here (COPY_PREFERENCE)
     verify: str = "disk"  # "disk": CRC of every chunk read from a shared tier; "always": also in memory
     async_saves: bool = True  # saves run beside the forward; a request's blocks are held until saved
     # "file:/path" or "env:VARIABLE" naming a secret of 16+ bytes: every chunk of a shared tier then
@@ -163,8 +163,8 @@ class ConnectorConfig:
                 read_auth_key(config.auth_key)
             except ValueError as error:
                 raise ValueError(f"KVLabConnector: {error}") from None
-        if config.method not in METHODS:
-            raise ValueError(f"KVLabConnector: method must be one of {list(METHODS)}, got {config.method!r}")
+        if config.method not in METHODS and config.method != "auto":
+            raise ValueError(f"KVLabConnector: method must be 'auto' or one of {list(METHODS)}, got {config.method!r}")
         if config.verify not in ("always", "disk"):
             raise ValueError(f"KVLabConnector: verify must be 'always' or 'disk', got {config.verify!r}")
         return config

@@ -1,6 +1,6 @@
 """What a worker of KVLabConnector works out when it registers its cache: its tensor-parallel
-rank, the contiguous runs one block occupies (what a one-copy-per-run engine would issue),
-and what became of a cross-layer request, for its registration line."""
+rank, its copy method, the contiguous runs one block occupies (what a one-copy-per-run engine
+would issue), and what became of a cross-layer request, for its registration line."""
 
 from __future__ import annotations
 
@@ -9,7 +9,25 @@ import functools
 from kvlab.cache.allocation import KVCache, allocate
 from kvlab.cache.geometry import ModelGeometry
 from kvlab.connector.geometry import on_cpu
+from kvlab.transfer.engine import host_buffer
 from kvlab.transfer.plan import copy_plan
+from kvlab.transfer.registry import method_status
+
+# method="auto": the first of these that runs for the cache and its host buffers. memcpy (one
+# C call per transfer, host memory only) moves batched runs at the memory's pace (0.89-1.01 of
+# the copy ceiling in notebook 02 on this project's CPUs); gather runs everywhere, devices too.
+COPY_PREFERENCE = ("memcpy", "gather")
+
+
+def copy_method(asked: str, cache: KVCache) -> str:
+    """The copy method for ``cache``: ``asked``, checked, or for "auto" the first of
+    COPY_PREFERENCE that runs here. ValueError naming why when none does."""
+    buffer = host_buffer(cache, 1)
+    for name in COPY_PREFERENCE if asked == "auto" else (asked,):
+        why = method_status(name, cache, buffer)
+        if why is None:
+            return name
+    raise ValueError(f"KVLabConnector: method {asked!r} cannot run here: {why}")
 
 
 @functools.lru_cache(maxsize=32)

@@ -24,7 +24,7 @@ from typing import Any
 from kvlab.cache.allocation import KVCache, first_tensor
 from kvlab.connector.config import ConnectorConfig
 from kvlab.connector.messages import KVLabMetadata, KVLabWorkerMeta, LoadSpec, SaveSpec
-from kvlab.connector.registration import cross_layer_decision, runs_per_block, tensor_parallel_rank
+from kvlab.connector.registration import copy_method, cross_layer_decision, runs_per_block, tensor_parallel_rank
 from kvlab.connector.stores import ConnectorStats, worker_store
 from kvlab.connector.weights import watch_weight_loads, weights_epoch
 from kvlab.store.chunk import Chunk
@@ -32,7 +32,6 @@ from kvlab.store.keys import signature
 from kvlab.transfer.common import in_callers_mode
 from kvlab.transfer.engine import Transfer, host_buffer, run_all
 from kvlab.transfer.layerwise import LayerwiseLoad
-from kvlab.transfer.registry import method_status
 
 logger = logging.getLogger("kvlab.connector")
 
@@ -87,9 +86,7 @@ class WorkerSide:
 
     # ---- registration ------------------------------------------------------------------
     def register(self, cache: KVCache) -> None:
-        why = method_status(self.config.method, cache, host_buffer(cache, 1))
-        if why is not None:
-            raise ValueError(f"KVLabConnector: method {self.config.method!r} cannot run here: {why}")
+        self.method = copy_method(self.config.method, cache)
         self.cache = cache
         if cache.storage[0].device.type == "cpu" and hasattr(os, "sched_getaffinity"):
             # chunk loads may use every core this process may run on: vLLM's CPU engine runs
@@ -98,10 +95,11 @@ class WorkerSide:
         self._layer_index = {name: i for i, name in enumerate(cache.layers)}
         self.signature = signature(cache)
         self.stats.layout = cache.layout.name
-        logger.info("KVLabConnector: rank %d of %d registered a %s cache of %d blocks of %d tokens (%s); tiers %s; %s",
-                    self.rank, self.workers, cache.layout.name, cache.num_blocks, cache.geometry.block_size,
-                    "one segment per block" if cache.layout.is_cross_layer else "per-layer segments",
-                    list(self.config.tier_names), cross_layer_decision(self.config.enable_cross_layers_blocks, cache))
+        logger.info("KVLabConnector: rank %d of %d registered a %s cache of %d blocks of %d tokens (%s, copied with %s); "
+                    "tiers %s; %s", self.rank, self.workers, cache.layout.name, cache.num_blocks,
+                    cache.geometry.block_size, "one segment per block" if cache.layout.is_cross_layer
+                    else "per-layer segments", self.method, list(self.config.tier_names),
+                    cross_layer_decision(self.config.enable_cross_layers_blocks, cache))
 
     # ---- sleep mode (vLLM >= 0.33) -------------------------------------------------------
     def suspend(self) -> None:
@@ -147,10 +145,10 @@ class WorkerSide:
                 self.stats.loaded_blocks += len(block_ids)
                 self.stats.load_segments += self._segments(len(block_ids), self.config.layerwise)
         if self.config.layerwise and sources:  # one copy thread (or stream) for the step, layer by layer
-            self._loads.append(LayerwiseLoad.from_sources(self.cache, sources, self.config.method).start())
+            self._loads.append(LayerwiseLoad.from_sources(self.cache, sources, self.method).start())
         elif sources:
             start = time.perf_counter()
-            run_all([Transfer(buffer, positions, self.cache, block_ids, self.config.method)
+            run_all([Transfer(buffer, positions, self.cache, block_ids, self.method)
                      for buffer, positions, block_ids in sources], self._copy_workers)
             self.stats.load_work_seconds += time.perf_counter() - start
 
@@ -288,7 +286,7 @@ class WorkerSide:
     def _copy_layer(self, save: LayerSave, index: int) -> None:
         start = time.perf_counter()
         try:
-            Transfer(self.cache, save.spec.block_ids, save.buffer, method=self.config.method, layers=[index]).run()
+            Transfer(self.cache, save.spec.block_ids, save.buffer, method=self.method, layers=[index]).run()
         except Exception as error:  # the save stores nothing; _store counts it
             save.error = error
         self.stats.save_work_seconds += time.perf_counter() - start
@@ -318,7 +316,7 @@ class WorkerSide:
             # a chunk lives as long as the store keeps it: in a mapping of its own, so that
             # evicted chunks give their memory back (on the heap they left holes the worker kept)
             save.buffer = host_buffer(self.cache, len(spec.block_ids), mapped=True)
-            Transfer(self.cache, spec.block_ids, save.buffer, method=self.config.method).run()
+            Transfer(self.cache, spec.block_ids, save.buffer, method=self.method).run()
         except Exception as error:
             save.error = error
         self.stats.save_work_seconds += time.perf_counter() - start

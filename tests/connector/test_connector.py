@@ -110,7 +110,7 @@ def test_cross_layer_views_are_recognised_as_block_major(tmp_path, caplog: pytes
     assert worker.cache.layout.name == "CPU_BLHNC" and worker.cache.layout.is_cross_layer
     assert registration_lines(caplog) == [
         f"KVLabConnector: rank 0 of 1 registered a CPU_BLHNC cache of {NUM_BLOCKS} blocks of {BS} tokens (one segment "
-        "per block); tiers ['memory', 'disk']; cross-layer blocks asked for and granted"]
+        "per block, copied with memcpy); tiers ['memory', 'disk']; cross-layer blocks asked for and granted"]
     _, worker = connectors(GQA)
     register(worker, "vllm0.12 flash NHD cross", GQA, NUM_BLOCKS)
     assert worker.cache.layout.is_cross_layer
@@ -211,7 +211,7 @@ def test_full_store_evicts_and_never_fails() -> None:
     ({"layerwise": "yes"}, "layerwise must be true or false"),
     ({"store_bytes": 0}, "store_bytes must be a positive integer"),
     ({"chunk_size": -32}, "chunk_size must be a positive integer"),
-    ({"method": "teleport"}, "method must be one of"),
+    ({"method": "teleport"}, "method must be 'auto' or one of"),
     ({"verify": "never"}, "verify must be 'always' or 'disk'"),
     ({"tiers": ["memory", "s3"]}, r"tiers must name each of \['memory', 'shm', 'disk', 'redis'\]"),
     ({"tiers": ["memory", "memory"]}, "at most once"),
@@ -261,7 +261,7 @@ def test_cross_layer_request_on_cpu_falls_back_and_the_registration_line_says_wh
         register(worker, "vllm>=0.29 CPU_LBHNC", GQA, NUM_BLOCKS)  # what vLLM's CPU engine hands over
     assert registration_lines(caplog) == [
         f"KVLabConnector: rank 0 of 1 registered a CPU_LBHNC cache of {NUM_BLOCKS} blocks of {BS} tokens (per-layer "
-        "segments); tiers ['memory']; cross-layer blocks asked for, given per-layer CPU_LBHNC: vLLM's CPU_ATTN "
+        "segments, copied with memcpy); tiers ['memory']; cross-layer blocks asked for, given per-layer CPU_LBHNC: vLLM's CPU_ATTN "
         "declares LBHNC only and kvlab's attention backend is not loaded: VLLM_PLUGINS leaves out 'kvlab', or kvlab is "
         "not installed in this environment"]
     caplog.clear()

@@ -86,8 +86,8 @@ def test_the_seeds_command_verbatim_serves_repeats_from_the_connector(tmp_path, 
     log = (tmp_path / "serve.log").read_text()
     # the seed's request granted: vLLM's own allocator built one block-major buffer (kvlab's backend reads it)
     assert len(re.findall(r"KVLabConnector: rank 0 of 1 registered a CPU_BLHNC cache of \d+ blocks of \d+ tokens "
-                          r"\(one segment per block\); tiers \['memory'\]; cross-layer blocks asked for and granted",
-                          log)) == 1
+                          r"\(one segment per block, copied with memcpy\); tiers \['memory'\]; "
+                          r"cross-layer blocks asked for and granted", log)) == 1
     assert "Using BLHNC KV cache layout" in log
     assert log.count("KVLabConnector: rank") == 1
     # and vLLM's periodic stats line (the scheduler's hits, the worker's loads)

@@ -23,6 +23,21 @@ from kvlab.store.tiers.folders import _TMP, STALE_TMP_S, _alive, own_folder
 from kvlab.store.tiers.stats import StoreStats
 
 
+_last_use_ns = 0
+
+
+def _stamp(path: Path) -> None:
+    """Mark ``path`` used now, strictly after every use this process marked before: a file
+    system's clock ticks in milliseconds, and uses in one tick would tie and evict in any
+    order. Gone or read-only: eviction order is only a preference."""
+    global _last_use_ns
+    _last_use_ns = max(time.time_ns(), _last_use_ns + 1)
+    try:
+        os.utime(path, ns=(_last_use_ns, _last_use_ns))
+    except OSError:
+        pass
+
+
 class DiskTier:
     """Chunk files in a folder, least recently used first out within ``capacity_bytes``
     (a file's modification time is its last use: hits touch it). Safe to share between
@@ -113,10 +128,7 @@ class DiskTier:
 
     def touch(self, chunk_key: str) -> None:
         """Mark a chunk used now, so that eviction follows use, not write time."""
-        try:
-            os.utime(self._path(chunk_key))
-        except OSError:
-            pass  # gone or read-only: eviction order is only a preference
+        _stamp(self._path(chunk_key))
 
     # ---- updates -------------------------------------------------------------------
     def put(self, chunk: Chunk) -> bool:
@@ -172,6 +184,7 @@ class DiskTier:
         except BaseException:
             self._unlink(tmp, count=False)
             raise
+        _stamp(path)
         self._add(chunk.block_keys)
         try:
             stat = path.stat()
@@ -204,8 +217,8 @@ class DiskTier:
                        f"the disk tier pauses writing (retried after {pause:g} s, then less often); "
                        "requests go on")
 
-    def _files(self) -> list[tuple[Path, int, float]]:
-        """Every chunk and temporary file with its size and last use, oldest first."""
+    def _files(self) -> list[tuple[Path, int, int]]:
+        """Every chunk and temporary file with its size and last use (ns), oldest first."""
         out = []
         try:
             entries = list(os.scandir(self.path))
@@ -217,7 +230,7 @@ class DiskTier:
                     stat = entry.stat()
                 except OSError:
                     continue  # removed meanwhile
-                out.append((Path(entry.path), stat.st_size, stat.st_mtime))
+                out.append((Path(entry.path), stat.st_size, stat.st_mtime_ns))
         return sorted(out, key=lambda f: f[2])
 
     def _trim(self, incoming: int) -> int:
@@ -244,7 +257,7 @@ class DiskTier:
                 continue
             same_host = match["host"] in (self._host, None)
             pid = int(match["pid"] or match["old_pid"])
-            if (same_host and not _alive(pid)) or (not same_host and now - mtime > STALE_TMP_S):
+            if (same_host and not _alive(pid)) or (not same_host and now - mtime / 1e9 > STALE_TMP_S):
                 if self._unlink(path):
                     self.stats.stale_tmp_removed += 1
 
