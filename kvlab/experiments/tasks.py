@@ -22,17 +22,18 @@ def book_text() -> str:
     return (importlib.resources.files("reasoning_gym") / "data" / BOOK).read_text(encoding="utf-8")
 
 
-def book_prompts(model: str, count: int, length: int, stride: int = 2500) -> list[list[int]]:
-    """``count`` passages of the book, ``length`` tokens each, ``stride`` tokens apart,
-    tokenized for ``model`` (a local folder): the prompts the time-to-first-token runs use."""
+def book_prompts(model: str, count: int, length: int, stride: int = 2500, start: int = 0) -> list[list[int]]:
+    """``count`` passages of the book, ``length`` tokens each, ``stride`` tokens apart from
+    token ``start`` on, tokenized for ``model`` (a local folder): the prompts the
+    time-to-first-token runs use."""
     from transformers import AutoTokenizer
 
     if length > stride:
         raise ValueError(f"passages of {length} tokens {stride} apart would overlap (share a prefix)")
     ids = AutoTokenizer.from_pretrained(model)(book_text())["input_ids"]
-    if (count - 1) * stride + length > len(ids):
-        raise ValueError(f"the book has {len(ids)} tokens: too short for {count} passages of {length}")
-    return [ids[i * stride: i * stride + length] for i in range(count)]
+    if start + (count - 1) * stride + length > len(ids):
+        raise ValueError(f"the book has {len(ids)} tokens: too short for {count} passages of {length} from {start}")
+    return [ids[start + i * stride: start + i * stride + length] for i in range(count)]
 
 
 def text_windows(token_ids: Sequence[int], windows: int, prefix_tokens: int, scored_tokens: int) -> list[tuple[list[int], list[int]]]:

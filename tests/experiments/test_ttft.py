@@ -95,3 +95,15 @@ def test_engine_settings_that_cannot_work_are_refused_before_any_engine(tmp_path
         run_engine(EngineSpec(str(tmp_path), kv_cache_layout="BLHND"), [[1, 2, 3]])
     with pytest.raises(ValueError, match="redis must be a running kvlab.runtime.redis.RedisServer, got str"):
         layouts_in_the_engine(str(tmp_path), [[1, 2]], "redis://127.0.0.1:6379/0")
+
+
+def test_book_passages_from_a_starting_token(smollm2: str) -> None:
+    """Notebook 03's decode prompts: passages further into the book, ``stride`` apart."""
+    from transformers import AutoTokenizer
+
+    from kvlab.experiments.tasks import book_prompts, book_text
+
+    ids = AutoTokenizer.from_pretrained(smollm2)(book_text())["input_ids"]
+    assert book_prompts(smollm2, 2, 50, stride=60, start=1000) == [ids[1000:1050], ids[1060:1110]]
+    with pytest.raises(ValueError, match=r"too short for 2 passages of 50 from"):
+        book_prompts(smollm2, 2, 50, stride=60, start=len(ids) - 80)
