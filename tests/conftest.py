@@ -6,7 +6,7 @@ engine run hit, and how two of its phases must agree."""
 
 import json
 import os
-import time
+import threading
 from pathlib import Path
 
 import pytest
@@ -85,19 +85,20 @@ def vllm_cpu_build():
 
 
 @pytest.fixture
-def slow_saves(monkeypatch):
-    """``slow_saves(worker_side, seconds)``: each of that worker side's saves starts ``seconds``
-    late, so a test can act while saves are still in flight."""
-    def slow(worker_side, seconds: float) -> None:
-        save = worker_side._save
+def held_saves(monkeypatch):
+    """``held_saves(worker_side)``: that worker side's saves wait until the returned event is
+    set, so a test acts while they are surely still in flight (no timing involved)."""
+    def hold(worker_side) -> threading.Event:
+        save, release = worker_side._save, threading.Event()
 
-        def late(spec):
-            time.sleep(seconds)
+        def held(spec):
+            release.wait()
             save(spec)
 
-        monkeypatch.setattr(worker_side, "_save", late)
+        monkeypatch.setattr(worker_side, "_save", held)
+        return release
 
-    return slow
+    return hold
 
 
 @pytest.fixture

@@ -139,9 +139,10 @@ def layer_name(index: int) -> str:
     return f"model.layers.{index}.self_attn.attn"
 
 
-def first_tensor(kv_layer: Any) -> torch.Tensor:
-    """A layer's first tensor: its K of a ``(k, v)`` tuple (Ascend), or its only tensor."""
-    return kv_layer[0] if isinstance(kv_layer, (tuple, list)) else kv_layer
+def view_parts(view: torch.Tensor | tuple[torch.Tensor, ...] | list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """A layer's tensors: its ``(k, v)`` tuple (Ascend; a list too, as some engines pass it),
+    or its only tensor."""
+    return tuple(view) if isinstance(view, (tuple, list)) else (view,)
 
 
 def allocate(
@@ -236,10 +237,6 @@ def from_storage(layout: str | Layout, geometry: ModelGeometry, num_blocks: int,
     return _wrap(layout, geometry, num_blocks, allocs, shaped)
 
 
-def _parts(view: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    return view if isinstance(view, tuple) else (view,)
-
-
 def _root(t: torch.Tensor) -> torch.Tensor:
     return t if t._base is None else t._base
 
@@ -253,9 +250,9 @@ def _adopt_as(layout: Layout, geometry: ModelGeometry, num_blocks: int,
     bases: list[tuple[torch.Tensor, int] | None] = [None] * len(roots)
     itemsize = geometry.itemsize
     for ref_view, real_view in zip(ref.layers.values(), given):
-        if len(_parts(ref_view)) != len(real_view):
+        if len(view_parts(ref_view)) != len(real_view):
             return None
-        for ref_part, real in zip(_parts(ref_view), real_view):
+        for ref_part, real in zip(view_parts(ref_view), real_view):
             if ref_part.shape != real.shape or ref_part.stride() != real.stride() or real.dtype != geometry.dtype:
                 return None
             index = next(i for i, r in enumerate(roots) if r is _root(ref_part))
@@ -286,7 +283,7 @@ def adopt(layers: dict[str, torch.Tensor | tuple[torch.Tensor, ...]], geometry: 
     """
     if len(layers) != geometry.num_layers:
         raise ValueError(f"got KV for {len(layers)} layers, the geometry has {geometry.num_layers}")
-    given = [_parts(v) for v in layers.values()]
+    given = [view_parts(v) for v in layers.values()]
     names = candidates or compatible_layouts(geometry, chunk_formats=False)
     sizes = [num_blocks] if num_blocks else sorted(set(given[0][0].shape))
     for name in names:

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import torch
 
-from kvlab.cache.allocation import allocations, axis_sizes, check_num_blocks
+from kvlab.cache.allocation import allocations, axis_sizes, check_num_blocks, view_parts
 from kvlab.cache.geometry import ModelGeometry
 from kvlab.cache.layouts import Layout, get_layout
 
@@ -301,7 +301,7 @@ def layout_table(layouts: Sequence[str | Layout], geometry: ModelGeometry, num_b
             continue
         cache = allocate(layout, geometry, num_blocks, device="meta")
         first = list(cache.layers.values())[:2]
-        views = [v if isinstance(v, tuple) else (v,) for v in first]
+        views = [view_parts(v) for v in first]
         one_block = block_segments(layout, geometry, num_blocks, [1])
         rows.append({
             "layout": layout.name,

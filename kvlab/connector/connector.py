@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 
-from kvlab.cache.allocation import adopt, first_tensor, layer_name
+from kvlab.cache.allocation import adopt, layer_name, view_parts
 from kvlab.cache.layouts import CPU_ATTN_LAYOUTS, LAYOUTS, VLLM_V29_LAYOUTS, Holds, compatible_layouts
 from kvlab.connector.config import CROSS_LAYER_LAYOUT, ConnectorConfig
 from kvlab.connector.geometry import engine_geometry, on_cpu, uses_mla
@@ -150,7 +150,7 @@ class KVLabConnector(KVConnectorBase_V1):
 
     # ---- worker side -------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        dtype = first_tensor(next(iter(kv_caches.values()))).dtype
+        dtype = view_parts(next(iter(kv_caches.values())))[0].dtype
         geometry = engine_geometry(self._vllm_config, len(kv_caches), dtype)
         layers = {name: tuple(v) if isinstance(v, list) else v for name, v in kv_caches.items()}
         # an MLA latent has one "head": the K/V layouts fit its shape too, but say less

@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvlab.cache.allocation import KVCache, first_tensor
+from kvlab.cache.allocation import KVCache, view_parts
 from kvlab.connector.config import ConnectorConfig
 from kvlab.connector.messages import KVLabMetadata, KVLabWorkerMeta, LoadSpec, SaveSpec
 from kvlab.connector.registration import copy_method, cross_layer_decision, runs_per_block, tensor_parallel_rank
@@ -264,7 +264,7 @@ class WorkerSide:
             return
         self._awake(meta.saves)
         start = time.perf_counter()
-        if first_tensor(kv_layer).data_ptr() != first_tensor(self.cache.layers[layer_name]).data_ptr():
+        if view_parts(kv_layer)[0].data_ptr() != view_parts(self.cache.layers[layer_name])[0].data_ptr():
             raise ValueError(f"KVLabConnector: save_kv_layer({layer_name!r}) was given KV that is not that layer "
                              f"of the registered {self.cache.layout.name} cache")
         if self._layer_saves is None or self._layer_saves_of is not meta:  # the step's first layer

@@ -28,6 +28,8 @@ def book_prompts(model: str, count: int, length: int, stride: int = 2500, start:
     time-to-first-token runs use."""
     from transformers import AutoTokenizer
 
+    if min(count, length) <= 0 or start < 0:
+        raise ValueError(f"need count and length positive and start from 0, got {count}, {length}, {start}")
     if length > stride:
         raise ValueError(f"passages of {length} tokens {stride} apart would overlap (share a prefix)")
     ids = AutoTokenizer.from_pretrained(model)(book_text())["input_ids"]

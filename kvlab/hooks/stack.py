@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import torch
 
-from kvlab.cache.allocation import KVCache, axis_sizes, layer_name
+from kvlab.cache.allocation import KVCache, axis_sizes, layer_name, view_parts
 from kvlab.cache.geometry import ModelGeometry
 from kvlab.hooks.calls import connector_active, maybe_save_kv_layer_to_connector, wait_for_kv_layer_from_connector
 from kvlab.hooks.trace import traced
@@ -34,7 +34,7 @@ def layer_parts(cache: KVCache, layer: str) -> list[torch.Tensor]:
         raise ValueError(f"{layout.name} is an LMCache chunk format, not a paged cache attention can use")
     views = cache.layers[layer]
     parts: list[torch.Tensor] = []
-    for index, view in enumerate(views if isinstance(views, tuple) else (views,)):
+    for index, view in enumerate(view_parts(views)):
         sizes = axis_sizes(layout, geometry, cache.num_blocks, index if layout.is_tuple else None)
         axes = layout.view_order  # the view's axes, ungrouped; S (the part) present unless split
         split = view.view([sizes[a] for a in axes]).permute([axes.index(a) for a in "SBNHD" if a in axes])

@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from kvlab.cache.allocation import KVCache
+from kvlab.cache.allocation import KVCache, view_parts
 
 KINDS = ("zero", "noise", "block-order", "block-shift")
 
@@ -51,7 +51,7 @@ class KVDamage:
         if self.kind.startswith("block") and block_dim is None:
             raise ValueError(f"{cache.layout.name} has no block dimension to reorder")
         with torch.inference_mode():  # an engine makes its chunks in inference mode
-            for part in (p for layer in layers for p in (layer if isinstance(layer, tuple) else (layer,))):
+            for part in (p for layer in layers for p in view_parts(layer)):
                 if self.kind == "zero":
                     part.zero_()
                 elif self.kind == "noise":

@@ -38,6 +38,8 @@ class WorkerSteps:
         """One step that saves the full blocks of ``tokens``, held in ``block_ids``, as chunks
         into the worker's memory tier (queued beside the forward with async saves); their keys."""
         keys = self.block_keys(tokens)
+        if len(block_ids) < len(keys):
+            raise ValueError(f"{len(keys)} full blocks of tokens need as many block ids, got {len(block_ids)}")
         n = self.chunk_blocks
         specs = [SaveSpec(req_id, tuple(keys[i:i + n]), block_ids[i:i + n]) for i in range(0, len(keys), n)]
         self.worker.wait_for_save(KVLabMetadata(saves=specs))
@@ -46,6 +48,8 @@ class WorkerSteps:
     def load(self, req_id: str, keys: list[str], block_ids: list[int]) -> set[int]:
         """One step that loads the blocks ``keys`` names from the memory tier into ``block_ids``;
         the block ids whose load failed (vLLM would recompute them)."""
+        if len(block_ids) != len(keys):
+            raise ValueError(f"{len(keys)} blocks to load need as many block ids, got {len(block_ids)}")
         n = self.chunk_blocks
         chunk_key = [keys[min(i // n * n + n, len(keys)) - 1] for i in range(len(keys))]
         sources = [Source("memory", (chunk_key[i],), i % n, key) for i, key in enumerate(keys)]

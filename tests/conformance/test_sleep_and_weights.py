@@ -4,6 +4,7 @@ which no KV of the old weights may be served."""
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -33,18 +34,19 @@ def blocks(worker, block_ids: list[int]) -> list[torch.Tensor]:
     return [view[block_ids].view(torch.int32).clone() for view in worker.cache.layers.values()]  # bits: random ones hold NaNs
 
 
-def test_sleep_waits_for_saves_in_flight_and_wake_up_serves_them_bitwise(slow_saves) -> None:
+def test_sleep_waits_for_saves_in_flight_and_wake_up_serves_them_bitwise(held_saves) -> None:
     """``unregister_kv_caches`` (before ``Worker.sleep`` suspends the KV memory) returns only
     once the queued saves have read it; while asleep a step that moves KV is refused; after
     ``restore_kv_caches`` the stored prefix loads back bit for bit into other blocks."""
     scheduler, worker = engine()
-    slow_saves(worker.worker, 0.3)
+    release = held_saves(worker.worker)
     request = vllm_request("a", PROMPT)
     scheduler.get_num_new_matched_tokens(request, 0)
     scheduler.update_state_after_alloc(request, None, 0)
     step(scheduler, worker, schedule("a", PROMPT, [0, 1, 2, 3, 4], 0))
     assert worker.stats.saved_blocks == 0, "the save is still in flight"
     expected = blocks(worker, [0, 1, 2, 3])
+    threading.Timer(0.2, release.set).start()  # the save goes on while sleep waits for it
     worker.unregister_kv_caches()
     assert worker.stats.saved_blocks == 4, "sleep waited for the save to read the KV"
     worker.unregister_kv_caches()  # idempotent

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -70,14 +71,15 @@ def test_saved_blocks_load_back_bitwise_on_the_device(layout, geometry, layerwis
 @pytest.mark.usefixtures("fresh_stores")
 @on_device[0]
 @on_device[1]
-def test_sleep_waits_for_a_save_in_flight_and_wake_up_loads_it_bitwise(slow_saves) -> None:
+def test_sleep_waits_for_a_save_in_flight_and_wake_up_loads_it_bitwise(held_saves) -> None:
     from kvlab.testing.worker_steps import WorkerSteps
 
     steps = WorkerSteps(device_cache("BLHNC", GQA), {"chunk_size": 32})
-    slow_saves(steps.worker, 0.2)
+    release = held_saves(steps.worker)
     keys = steps.save("a", TOKENS, [3, 9, 1, 12, 6])
     expected = blocks(steps.cache, [3, 9, 1, 12, 6])
-    assert steps.stats.saved_blocks < 5, "saves still in flight"
+    assert steps.stats.saved_blocks == 0, "saves still in flight"
+    threading.Timer(0.2, release.set).start()  # the saves go on while sleep waits for them
     steps.worker.suspend()  # what unregister_kv_caches does before Worker.sleep
     assert steps.stats.saved_blocks == 5, "sleep waited for the saves to read the device memory"
     for tensor in steps.cache.storage:
@@ -113,6 +115,13 @@ def test_the_worker_side_runs_without_vllm() -> None:
         assert steps.load("b", keys, [4, 5, 6, 7]) == set()
         assert torch.equal(cache.storage[0][0:4].view(torch.int32), cache.storage[0][4:8].view(torch.int32))
         assert "vllm" not in sys.modules
+        for call in (lambda: steps.save("c", list(range(64)), [0, 1]), lambda: steps.load("d", keys, [4, 5])):
+            try:
+                call()
+            except ValueError as error:
+                assert "block ids" in str(error), error
+            else:
+                raise AssertionError("too few block ids went unnoticed")
         print("ok")
     """)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -107,3 +107,5 @@ def test_book_passages_from_a_starting_token(smollm2: str) -> None:
     assert book_prompts(smollm2, 2, 50, stride=60, start=1000) == [ids[1000:1050], ids[1060:1110]]
     with pytest.raises(ValueError, match=r"too short for 2 passages of 50 from"):
         book_prompts(smollm2, 2, 50, stride=60, start=len(ids) - 80)
+    with pytest.raises(ValueError, match="start from 0"):
+        book_prompts(smollm2, 2, 50, stride=60, start=-100)

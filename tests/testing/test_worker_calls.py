@@ -5,7 +5,6 @@ damage control damages the connector's memory chunks and puts them back."""
 from __future__ import annotations
 
 import textwrap
-import time
 
 import pytest
 import torch
@@ -17,14 +16,14 @@ from kvlab.testing import worker_calls  # noqa: E402
 from kvlab.testing.driver import connector_pair, prefill, register  # noqa: E402
 
 SLOW = textwrap.dedent('''
-    import time
-
     class SlowConnector:
+        calls = []
+
         def __init__(self, vllm_config, role, kv_cache_config=None):
             pass
 
         def start_load_kv(self, context):
-            time.sleep(0.05)
+            self.calls.append("load")
 
         def wait_for_layer_load(self, name):
             pass
@@ -33,8 +32,19 @@ SLOW = textwrap.dedent('''
             pass
 
         def wait_for_save(self):
-            time.sleep(0.02)
+            self.calls.append("save")
 ''')
+
+
+class Ticks:
+    """A perf_counter that moves one second per reading: a call timed once takes exactly 1 s."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1.0
+        return self.now
 
 
 @pytest.fixture
@@ -48,23 +58,22 @@ def slow_connector(tmp_path, monkeypatch):
     worker_calls._CLOCK.uninstall()
 
 
-def test_the_clock_times_each_call_once_however_often_it_is_started(slow_connector) -> None:
+def test_the_clock_times_each_call_once_however_often_it_is_started(slow_connector, monkeypatch) -> None:
     cls, transfer = slow_connector
     original = cls.__dict__["start_load_kv"]
+    monkeypatch.setattr(worker_calls, "time", Ticks())
     worker_calls.start_clock(None, transfer)
     worker_calls.start_clock(None, transfer)  # an engine that starts it again
     connector = cls(None, None)
     connector.start_load_kv(None)
     connector.wait_for_save()
     spent = worker_calls.read_clock(None)
-    assert 0.05 <= spent["load_s"] < 0.09, spent
-    assert 0.02 <= spent["save_s"] < 0.05, spent
+    assert spent == {"load_s": 1.0, "save_s": 1.0}, "each call timed once (wrapped twice: 4 s each)"
     assert worker_calls.read_clock(None) == {"load_s": 0.0, "save_s": 0.0}, "a read starts the next count"
     worker_calls._CLOCK.uninstall()
     assert cls.__dict__["start_load_kv"] is original, "the class has its own method back"
-    start = time.perf_counter()
     connector.start_load_kv(None)
-    assert worker_calls.read_clock(None)["load_s"] == 0.0 and time.perf_counter() - start >= 0.05
+    assert worker_calls.read_clock(None)["load_s"] == 0.0 and cls.calls == ["load", "save", "load"]
 
 
 def test_damage_control_damages_the_memory_chunks_and_undo_puts_them_back(fresh_stores) -> None:
