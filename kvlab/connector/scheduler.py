@@ -33,8 +33,9 @@ logger = logging.getLogger("kvlab.connector")
 # Engine steps lookups may wait for the workers to say what cache they hold (one is enough:
 # they say it in their first step's output); then the shared tiers are left out.
 SIGNATURE_WAIT_STEPS = 100
-# Shared chunks the scheduler remembers having checked (each costs a read): the most
+# Shared chunks the scheduler remembers having checked (each costs a header read): the most
 # recently used ones are kept, and each is trusted only while its file is the one checked.
+# Each entry holds its block keys: ~1.5 KB for a chunk of 16 blocks, so ~6 MB at most.
 CHECKED_CHUNKS = 4096
 
 
@@ -161,6 +162,31 @@ class SchedulerSide:
         shards = [shard_key(key, rank, self.workers) for key in keys for rank in range(self.workers)]
         for tier, where in self.shared.locate_shared(shards).items():
             self._located.update(((tier, shard), found) for shard, found in zip(shards, where))
+        self._check_located()
+
+    def _check_located(self) -> None:
+        """Check each chunk located that was not checked since it last changed or vanished
+        (one stat tells) or a worker could not load it: its header, against the workers'
+        cache, one call per tier for all of them. The payload never crosses to the
+        scheduler: the worker that loads it checks it, and a chunk that fails there is a
+        load error, recomputed."""
+        chunks = dict.fromkeys((tier, found[0]) for (tier, _), found in self._located.items() if found is not None)
+        unchecked: dict[str, list[tuple[str, object]]] = {}
+        for tier, chunk_key in chunks:
+            memo = (tier, chunk_key)
+            identity = self.shared.identity(tier, chunk_key)
+            if identity is None:
+                self._checked.pop(memo, None)
+            elif memo not in self._checked or self._checked[memo][0] != identity:
+                unchecked.setdefault(tier, []).append((chunk_key, identity))
+        for tier, pending in unchecked.items():
+            headers = self.shared.describe(tier, [chunk_key for chunk_key, _ in pending])
+            for (chunk_key, identity), header in zip(pending, headers):
+                good = header is not None and header.signature == self.signature
+                self._checked[(tier, chunk_key)] = (identity, tuple(header.block_keys) if good else None)
+                self._checked.move_to_end((tier, chunk_key))
+        while len(self._checked) > CHECKED_CHUNKS:
+            self._checked.popitem(last=False)
 
     def _held_everywhere(self, key: str) -> bool:
         """Every shared tier holds this block for every worker, checked (a chunk file only
@@ -179,21 +205,11 @@ class SchedulerSide:
         return keys is not None and holds(keys, position, block_key)
 
     def _checked_keys(self, tier: str, chunk_key: str) -> tuple[str, ...] | None:
-        """Read and check a shared chunk (checksum, and that it fits the workers' cache)
-        before it is promised to a worker, again whenever it changed or vanished since (one
-        stat tells) or a worker could not load it; its block keys, None for a damaged or
-        foreign one, which is never promised."""
+        """A shared chunk's block keys as this lookup checked them (:meth:`_check_located`);
+        None for a damaged, foreign or vanished one, which is never promised."""
         memo = (tier, chunk_key)
-        identity = self.shared.identity(tier, chunk_key)
-        if identity is None:
-            self._checked.pop(memo, None)
+        if memo not in self._checked:
             return None
-        if memo not in self._checked or self._checked[memo][0] != identity:
-            chunk = self.shared.peek(tier, chunk_key)
-            good = chunk is not None and chunk.signature == self.signature
-            self._checked[memo] = (identity, tuple(chunk.block_keys) if good else None)
-            if len(self._checked) > CHECKED_CHUNKS:
-                self._checked.popitem(last=False)
         self._checked.move_to_end(memo)
         return self._checked[memo][1]
 

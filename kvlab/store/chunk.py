@@ -11,6 +11,7 @@ import io
 import json
 import re
 import struct
+import warnings
 from dataclasses import dataclass, field, fields
 from typing import BinaryIO, Iterable, Sequence
 
@@ -26,6 +27,8 @@ _MAGIC = b"KVLAB-CHUNK-1\n"
 _SUFFIX = ".kvchunk"
 _MAX_HEADER_BYTES = 1 << 20
 _MAX_CHUNK_BLOCKS = 1 << 16
+# Bytes read first where a header is read by range: a chunk of up to ~100 blocks has one this long.
+HEADER_PREFIX = 4096
 _MAC = re.compile(r"[0-9a-f]{64}")
 _FIELDS = {"block_keys", "signature", "crc", "layout", "num_blocks", "geometry", "tensors"}  # and "mac"
 
@@ -128,20 +131,15 @@ def authentic(header: Header, auth_key: bytes, flat: torch.Tensor) -> bool:
     return header.mac is not None and hmac.compare_digest(header.mac, mac(auth_key, header.parsed, [flat.numpy().data]))
 
 
-def parse_header(f: BinaryIO, chunk_key: str, size: int) -> Header:
+def parse_header(f: BinaryIO, chunk_key: str, size: int | None) -> Header:
     """Read and check a stored chunk's header against the schema: every field present with
     its type and no other, keys that are hex digests (the last one ``chunk_key``, the name
     it is stored under), a known layout and dtype, a payload whose size the layout implies
-    and the stored object (``size`` bytes) has, and a mac, if any, of 64 hex digits.
-    ValueError for anything else, never another exception from the contents."""
-    start = len(_MAGIC) + 8
-    head = f.read(start)
-    if len(head) < start or not head.startswith(_MAGIC):
-        raise ValueError("not a kvlab chunk file")
-    (length,) = struct.unpack_from("<Q", head, len(_MAGIC))
-    if length > _MAX_HEADER_BYTES:
-        raise ValueError(f"header of {length} bytes")
-    raw = f.read(length)
+    and the stored object (``size`` bytes; None: the header alone was read) has, and a mac,
+    if any, of 64 hex digits. ValueError for anything else, never another exception from
+    the contents."""
+    payload_start = header_length(f.read(len(_MAGIC) + 8))
+    raw = f.read(payload_start - len(_MAGIC) - 8)
     try:
         header = json.loads(raw)
     except (ValueError, RecursionError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
@@ -177,8 +175,8 @@ def parse_header(f: BinaryIO, chunk_key: str, size: int) -> Header:
     except ValueError as error:
         raise ValueError(f"geometry refused: {error}") from None
     # the size first: allocations() of an absurd geometry would take forever
-    payload_start, payload_bytes = start + length, len(keys) * g.block_bytes
-    if size != payload_start + payload_bytes:
+    payload_bytes = len(keys) * g.block_bytes
+    if size is not None and size != payload_start + payload_bytes:
         raise ValueError(f"it has {size} bytes, its header says {payload_start + payload_bytes}")
     try:
         shapes = [list(alloc.sizes) for alloc in allocations(layout, g, len(keys))]
@@ -187,6 +185,19 @@ def parse_header(f: BinaryIO, chunk_key: str, size: int) -> Header:
     if header.get("tensors") != shapes:
         raise ValueError("tensor shapes do not match the layout")
     return Header(keys, sig, crc, layout, g, payload_bytes, payload_start, header.get("mac"), header)
+
+
+def header_length(prefix: bytes) -> int:
+    """How many bytes a stored chunk's header takes, from its first :data:`HEADER_PREFIX`
+    bytes: what a tier that reads byte ranges (Redis) asks for. ValueError when they are
+    not a chunk's."""
+    start = len(_MAGIC) + 8
+    if len(prefix) < start or not prefix.startswith(_MAGIC):
+        raise ValueError("not a kvlab chunk")
+    (length,) = struct.unpack_from("<Q", prefix, len(_MAGIC))
+    if length > _MAX_HEADER_BYTES:
+        raise ValueError(f"header of {length} bytes")
+    return start + length
 
 
 def chunk_from(header: Header, flat: torch.Tensor) -> Chunk:
@@ -215,7 +226,9 @@ def from_bytes(value: bytes, chunk_key: str, auth_key: bytes | None = None) -> C
     header against the schema, its checksum and, with ``auth_key``, its MAC. ValueError
     for anything else (:class:`ForgedChunk` for a MAC that does not match): a tier drops it."""
     header = parse_header(io.BytesIO(value), chunk_key, len(value))
-    flat = torch.frombuffer(bytearray(value[header.payload_start:]), dtype=torch.uint8)
+    with warnings.catch_warnings():  # the value is not written to: no copy of it is made
+        warnings.filterwarnings("ignore", "The given buffer is not writable")
+        flat = torch.frombuffer(value, dtype=torch.uint8, offset=header.payload_start)
     chunk = chunk_from(header, flat)
     if not chunk.intact():
         raise ValueError("checksum does not match")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping
 
-from kvlab.store.chunk import Chunk
+from kvlab.store.chunk import Chunk, Header
 from kvlab.store.keys import holds, shard_key, valid_key
 from kvlab.store.tiers import DiskTier, MemoryTier, StoreStats, Tier, open_tiers
 
@@ -172,10 +172,13 @@ class KVStore:
         """What changes when the chunk ``tier`` stores under ``chunk_key`` does; None: gone."""
         return self.tier(tier).identity(chunk_key)
 
-    def peek(self, tier: str, chunk_key: str) -> Chunk | None:
-        """The chunk as ``tier`` holds it, checked, neither marked used nor kept in memory:
-        what a scheduler reads before it promises a worker the chunk."""
-        return self.tier(tier).get(chunk_key) if valid_key(chunk_key) else None
+    def describe(self, tier: str, chunk_keys: list[str]) -> list[Header | Chunk | None]:
+        """What each chunk ``tier`` holds says of itself, its block keys and signature (a
+        checked header), without its payload, in one call: what a scheduler reads before it
+        promises a worker the chunk. The worker checks the payload when it loads it."""
+        valid = [key for key in chunk_keys if valid_key(key)]
+        found = dict(zip(valid, self.tier(tier).describe_many(valid))) if valid else {}
+        return [found.get(key) for key in chunk_keys]
 
     def get(self, chunk_key: str, expect: str | None = None, *, tier: str = "memory",
             blocks: Mapping[int, str] | None = None, shard: tuple[int, int] = WHOLE) -> Chunk | None:

@@ -350,7 +350,11 @@ def test_every_damaged_chunk_of_a_prompt_is_saved_again(tmp_path) -> None:
         data[-5] ^= 0x10
         path.write_bytes(bytes(data))
     scheduler, worker = fresh({"tiers": ["disk"], "disk_path": extra["disk_path"], "chunk_size": BS})
-    assert run_step(scheduler, worker, "b", prompt, [5, 6, 7, 8, 9], False) == 0
+    result = prefill(scheduler, worker, "b", prompt, [5, 6, 7, 8, 9])
+    assert result["hit_tokens"] == 4 * BS, "promised from their headers, which are intact"
+    assert result["report"].invalid_block_ids == {5, 6, 7, 8}, "every payload failed its check at the load"
+    assert sorted((tmp_path / "kv").glob("*.kvchunk")) == [], "and every damaged file was dropped"
+    assert run_step(scheduler, worker, "c", prompt, [5, 6, 7, 8, 9], False) == 0
     assert worker.stats.saved_blocks == 4, "all four chunks written again, not only the first"
     assert lookup(fresh(extra)[0], prompt) == 4 * BS
 

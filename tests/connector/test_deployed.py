@@ -147,7 +147,7 @@ def test_a_preempted_requests_saves_finish_before_its_blocks_are_reused(monkeypa
 
 def test_redis_tier_serves_another_engine_and_absorbs_its_faults(redis_server):
     """Engine A stores through Redis; engine B (another process, another host) hits and
-    gets the same bytes; a damaged value is a miss; a dead server makes every lookup a
+    gets the same bytes, which cross once; a damaged value is recomputed and dropped; a dead server makes every lookup a
     quick miss and every save a counted error, never an exception."""
     extra = redis_server.extra()
     scheduler, (worker,) = engine(extra)
@@ -155,18 +155,23 @@ def test_redis_tier_serves_another_engine_and_absorbs_its_faults(redis_server):
     expected = blocks_of(worker, [0, 1, 2, 3])
     reset_stores()
     scheduler_b, (worker_b,) = engine(extra)
+    client = redis_server.client()
+    client.config_resetstat()
     assert prefill(scheduler_b, worker_b, "b", PROMPT, [5, 6, 7, 8, 9])["hit_tokens"] == 4 * BS
     assert torch.equal(blocks_of(worker_b, [5, 6, 7, 8]), expected)
+    calls = {name: stat["calls"] for name, stat in client.info("commandstats").items()}
+    assert calls.get("cmdstat_get") == 1, "the payload crossed once: to the worker, not to the scheduler"
+    assert calls.get("cmdstat_getrange") == 1, "the scheduler read the chunk's header alone"
 
-    client = redis_server.client()
     for key in client.keys("kvlab:c:*"):
         value = bytearray(client.get(key))
         value[-3] ^= 0x10
         client.set(key, bytes(value))
     reset_stores()
     scheduler_c, (worker_c,) = engine({**extra, "tiers": ["redis"]})
-    assert prefill(scheduler_c, worker_c, "c", PROMPT, [10, 11, 12, 13, 14])["hit_tokens"] == 0
-    assert worker_c.store.stats.corrupt >= 1
+    result = prefill(scheduler_c, worker_c, "c", PROMPT, [10, 11, 12, 13, 14])
+    assert result["report"].invalid_block_ids == {10, 11, 12, 13}, "its header is intact: it fails at the load"
+    assert worker_c.store.stats.corrupt >= 1 and not client.keys("kvlab:c:*"), "and is dropped"
 
     redis_server.stop()
     began = time.monotonic()

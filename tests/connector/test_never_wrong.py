@@ -172,7 +172,7 @@ def test_new_weights_loaded_into_the_engine_are_misses(tiers) -> None:
 def test_an_auth_key_signs_every_shared_chunk_and_a_writer_without_it_cannot_be_loaded(tmp_path, monkeypatch) -> None:
     """With ``auth_key`` every shared chunk carries a MAC: the engine with the key hits what
     it stored; one whose key differs (a writer without the key, same user included) is
-    refused every chunk, counted as forged, and recomputes."""
+    refused every chunk when it loads it, counted as forged, and recomputes."""
     monkeypatch.setenv("KVLAB_TEST_KEY", "k" * 32)
     key_file = tmp_path / "other.key"
     key_file.write_bytes(b"o" * 32)
@@ -184,8 +184,10 @@ def test_an_auth_key_signs_every_shared_chunk_and_a_writer_without_it_cannot_be_
     reset_stores()
     other, other_worker = connector_pair(GQA, NUM_BLOCKS, {**extra, "auth_key": f"file:{key_file}"})
     register(other_worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
-    assert prefill(other, other_worker, "c", PROMPT, [10, 11, 12, 13, 14])["hit_tokens"] == 0
-    assert other.scheduler.shared.stats.forged == 1, "refused at the lookup: never promised"
+    result = prefill(other, other_worker, "c", PROMPT, [10, 11, 12, 13, 14])
+    assert result["report"].invalid_block_ids == {10, 11, 12, 13}, "refused at the load (the MAC covers the payload)"
+    assert other.scheduler.shared.stats.forged == 1
+    assert prefill(other, other_worker, "d", PROMPT, [10, 11, 12, 13, 14])["hit_tokens"] == 0, "never promised again"
 
 
 @pytest.mark.parametrize("auth_key, why", [("k" * 32, "must name the key"), ("env:KVLAB_UNSET_KEY", "0 bytes"),

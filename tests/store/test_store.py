@@ -3,6 +3,7 @@ damaged or foreign chunks treated as misses."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 from kvlab.cache import ModelGeometry, allocate
 from kvlab.store import Chunk, Fetched, KVStore, Stored, block_hashes, shard_key, signature
+from kvlab.store.tiers import disk as disk_module
 
 GEOMETRY = ModelGeometry("store-test", 2, 2, 32, torch.bfloat16, 16)
 
@@ -200,3 +202,76 @@ def test_disk_path_that_is_a_file(tmp_path: Path) -> None:
     path.write_text("x")
     with pytest.raises(ValueError, match="is a file, not a folder"):
         KVStore(disk_path=path)
+
+
+# ---- the disk tier at scale: start-up reads no chunk, a lookup never lists the folder, its
+# index is bounded (a cache: the files are the truth), writes list the folder only when the
+# budget needs it, and a scheduler reads headers, never payloads (costs: notebook 03).
+
+
+@pytest.fixture
+def listings(monkeypatch) -> list[str]:
+    """Every listing of a folder the disk tier makes, by path."""
+    calls: list[str] = []
+    real = os.scandir
+
+    def counted(path):  # noqa: ANN001, ANN202
+        calls.append(str(path))
+        return real(path)
+
+    monkeypatch.setattr(disk_module.os, "scandir", counted)
+    return calls
+
+
+def test_start_up_reads_no_chunk(tmp_path: Path) -> None:
+    """Files with bad headers are found when a lookup names them, not at start-up."""
+    KVStore(disk_path=tmp_path).put(chunk(1))
+    (tmp_path / f"{'a' * 32}.kvchunk").write_bytes(b"not a chunk")
+    store = KVStore(disk_path=tmp_path)
+    assert store.stats.bad_headers == 0, "nothing read at start-up"
+    assert store.disk.locate_many(["a" * 32]) == [None] and store.stats.bad_headers == 1
+    assert not (tmp_path / f"{'a' * 32}.kvchunk").exists(), "a bad file is dropped once found"
+
+
+def test_a_lookup_finds_another_process_s_chunk_by_its_name_without_listing(tmp_path: Path, listings) -> None:
+    c = chunk(2, blocks=3)
+    store = KVStore(disk_path=tmp_path)
+    KVStore(disk_path=tmp_path).put(c)  # another process
+    listings.clear()
+    assert store.disk.locate_many(c.block_keys) == [(c.key, 0), (c.key, 1), (c.key, 2)]
+    assert store.disk.locate_many([chunk(3).key]) == [None]
+    assert listings == [], "no lookup lists the folder, hit or miss"
+
+
+def test_the_index_is_bounded_and_what_it_forgot_is_found_again(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(disk_module, "INDEXED_CHUNKS", 3)
+    store = KVStore(disk_path=tmp_path, capacity_bytes=1 << 20)
+    chunks = [chunk(10 + i) for i in range(6)]
+    for c in chunks:
+        store.put(c)
+    assert len(store.disk._chunk_blocks) == 3 and len(store.disk._index) == 6, "3 chunks of 2 blocks"
+    assert store.disk.locate_many(chunks[0].block_keys) == [(chunks[0].key, 0), (chunks[0].key, 1)]
+    assert len(store.disk._chunk_blocks) == 3
+
+
+def test_writes_list_the_folder_only_when_the_budget_needs_it(tmp_path: Path, listings) -> None:
+    c = chunk(20)
+    size = len(disk_module.encode_header(c)) + c.nbytes
+    store = KVStore(disk_path=tmp_path, disk_capacity_bytes=5 * size)
+    listings.clear()
+    for i in range(4):
+        store.put(chunk(30 + i))
+    assert len(listings) == 1, "counted once, then the tier adds what it writes"
+    for i in range(4):
+        store.put(chunk(40 + i))
+    assert len(list(tmp_path.glob("*.kvchunk"))) <= 5, "the budget still holds"
+
+
+def test_headers_are_read_without_payloads(tmp_path: Path, monkeypatch) -> None:
+    c = chunk(50)
+    store = KVStore(disk_path=tmp_path)
+    store.put(c)
+    monkeypatch.setattr(disk_module.DiskTier, "_payload", lambda *args: pytest.fail("a payload was read"))
+    (header,) = store.describe("disk", [c.key])
+    assert header.block_keys == c.block_keys and header.signature == c.signature
+    assert store.describe("disk", [chunk(51).key, "../x"]) == [None, None]

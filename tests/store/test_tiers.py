@@ -77,6 +77,9 @@ class ListTier:
     def get(self, chunk_key):  # noqa: ANN001, ANN201
         return self.chunks.get(chunk_key)
 
+    def describe_many(self, chunk_keys):  # noqa: ANN001, ANN201
+        return [self.chunks.get(key) for key in chunk_keys]
+
     def put(self, c):  # noqa: ANN001, ANN201
         self.chunks[c.key] = c
         return True

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+from collections import OrderedDict
 import re
 import socket
 import time
@@ -22,6 +23,13 @@ from kvlab.store.tiers.backoff import Backoff
 from kvlab.store.tiers.folders import _TMP, STALE_TMP_S, _alive, own_folder
 from kvlab.store.tiers.stats import StoreStats
 
+
+# Chunks whose block keys a disk tier keeps in memory, most recently used: the others are
+# found by their file when a lookup names them, so memory stays bounded however many are stored.
+INDEXED_CHUNKS = 65536
+# Seconds after which the bytes the folder holds are counted again (other processes write to
+# it too): between counts a tier adds what it wrote itself.
+RECOUNT_S = 10.0
 
 _last_use_ns = 0
 
@@ -42,8 +50,11 @@ class DiskTier:
     """Chunk files in a folder, least recently used first out within ``capacity_bytes``
     (a file's modification time is its last use: hits touch it). Safe to share between
     processes: writes are atomic (a private temporary file renamed into place), a file
-    another process removed is a plain miss, files another process adds are found when a
-    lookup misses and the folder changed. Every OSError is absorbed: counted, logged once,
+    another process removed is a plain miss, a file another process added is found when a
+    lookup names its chunk (a file is named after its chunk's last block: one open per
+    block not indexed, never a scan of the folder). Start-up lists the folder's names
+    once, for temporary files dead writers left; nothing is read. The index keeps the block
+    keys of the INDEXED_CHUNKS most recently used chunks. Every OSError is absorbed: counted, logged once,
     and after a failed write the tier pauses writing with a doubling back-off (a full disk
     first evicts to make room and tries once more; its lower budget lasts for a doubling
     back-off too, then ``budget_bytes`` is tried again).
@@ -62,46 +73,48 @@ class DiskTier:
         self.auth_key = auth_key
         own_folder(path, f"the store's {self.name}_path {path}")
         self._index: dict[str, tuple[str, int]] = {}  # block key -> (chunk key, position)
-        self._chunk_blocks: dict[str, list[str]] = {}  # chunk key -> its block keys
-        self._seen: dict[str, tuple[int, int]] = {}  # file name -> (size, mtime) already indexed or rejected
-        self._scanned_mtime = -1
+        self._chunk_blocks: OrderedDict[str, list[str]] = OrderedDict()  # chunk key -> its block keys, LRU
+        self._rejected: OrderedDict[str, object] = OrderedDict()  # damaged files that could not be removed
+        self._held: int | None = None  # bytes in the folder when last counted, plus this tier's writes since
+        self._counted_at = 0.0
         self._writes = Backoff()  # paused after a failed write; logs each fault once
         self._full_at = 0  # bytes the folder held when the filesystem was last full
         self._regrow = Backoff()  # a budget lowered by a full filesystem is tried in full again when it ends
         self._host = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:64] or "host"
         self._remove_stale_tmp()
-        self._scan()
 
     # ---- lookups -------------------------------------------------------------------
     def locate(self, block_key: str) -> tuple[str, int] | None:
-        found = self._index.get(block_key)
-        if found is None and self._folder_changed():
-            self._scan()
-            found = self._index.get(block_key)
-        return found
+        return self.locate_many([block_key])[0]
 
     def locate_many(self, block_keys: list[str]) -> list[tuple[str, int] | None]:
-        return [self.locate(key) for key in block_keys]
+        """From the index; a block not in it is looked for in the chunk files the given
+        keys name (a prompt's keys name its chunks: each chunk is named after its last
+        block), whose headers are then indexed."""
+        found = [self._index.get(key) for key in block_keys]
+        if None in found:
+            for key, hit in zip(block_keys, found):
+                if hit is None and key not in self._chunk_blocks:
+                    self._header(key)  # indexes the file named after this block, if there is one
+            found = [self._index.get(key) for key in block_keys]
+        for chunk_key in {hit[0] for hit in found if hit is not None}:
+            self._chunk_blocks.move_to_end(chunk_key)
+        return found
+
+    def describe_many(self, chunk_keys: list[str]) -> list[Header | None]:
+        """Each chunk file's header, checked against the schema and against the file's size
+        (the payload is not read: its checksum is checked when it is loaded); None for a
+        missing or bad one (a bad one is dropped), or, with ``auth_key``, one without a MAC."""
+        return [self._header(key) for key in chunk_keys]
 
     def get(self, chunk_key: str) -> Chunk | None:
         """The chunk read from its file and checked; None (a miss) for anything else."""
         path = self._path(chunk_key)
         self.stats.read_from(self.name)
-        try:
-            with open(path, "rb") as f:
-                header = parse_header(f, chunk_key, os.fstat(f.fileno()).st_size)
-                flat = self._payload(f, path, header)
-        except FileNotFoundError:  # another process evicted it: a plain miss
-            self._forget(chunk_key)
+        read = self._read(path, chunk_key, payload=True)
+        if read is None:
             return None
-        except ValueError as error:
-            self._reject(path, "corrupt", error)
-            return None
-        except OSError as error:
-            self.stats.read_errors += 1
-            self._log_once("read", f"KVLabConnector store: cannot read {path} ({error}); treated as a miss")
-            self._forget(chunk_key)
-            return None
+        header, flat = read
         chunk = chunk_from(header, flat)
         if not chunk.intact():
             self._reject(path, "corrupt", ValueError("checksum does not match"))
@@ -158,6 +171,43 @@ class DiskTier:
         self._unlink(self._path(chunk_key))
 
     # ---- internals -----------------------------------------------------------------
+    def _read(self, path: Path, chunk_key: str, payload: bool) -> tuple[Header, torch.Tensor | None] | None:
+        """The file's checked header, and its payload when asked; None for a missing file
+        (forgotten), a bad header (counted and dropped) or a file that cannot be read."""
+        try:
+            with open(path, "rb") as f:
+                try:
+                    header = parse_header(f, chunk_key, os.fstat(f.fileno()).st_size)
+                except ValueError:
+                    self.stats.bad_headers += 1
+                    raise
+                return header, self._payload(f, path, header) if payload else None
+        except FileNotFoundError:  # another process evicted it, or it never was: a plain miss
+            self._forget(chunk_key)
+        except ValueError as error:
+            self._reject(path, "corrupt", error)
+        except OSError as error:
+            self.stats.read_errors += 1
+            self._log_once("read", f"KVLabConnector store: cannot read {path} ({error}); treated as a miss")
+            self._forget(chunk_key)
+        return None
+
+    def _header(self, chunk_key: str) -> Header | None:
+        if not valid_key(chunk_key) or (chunk_key in self._rejected
+                                        and self._rejected[chunk_key] == self.identity(chunk_key)):
+            return None
+        read = self._read(self._path(chunk_key), chunk_key, payload=False)
+        if read is None:
+            return None
+        header = read[0]
+        if self.auth_key is not None and header.mac is None:
+            self.stats.forged += 1
+            self._reject(self._path(chunk_key), "forged", ValueError("no MAC, and this store has an auth_key"))
+            return None
+        self._add(header.block_keys)
+        return header
+
+
     def _path(self, chunk_key: str) -> Path:
         if not valid_key(chunk_key):
             raise ValueError(f"not a chunk key (32 hex digits): {chunk_key!r}")
@@ -186,11 +236,8 @@ class DiskTier:
             raise
         _stamp(path)
         self._add(chunk.block_keys)
-        try:
-            stat = path.stat()
-            self._seen[path.name] = (stat.st_size, stat.st_ino)
-        except OSError:
-            pass
+        if self._held is not None:
+            self._held += chunk.nbytes
 
     def _shrink_to_fit(self, chunk: Chunk) -> bool:
         """The filesystem is full before the budget is: make the limit what it holds for a
@@ -234,7 +281,12 @@ class DiskTier:
         return sorted(out, key=lambda f: f[2])
 
     def _trim(self, incoming: int) -> int:
-        """Evict least recently used files until ``incoming`` more bytes fit; the bytes left."""
+        """Evict least recently used files until ``incoming`` more bytes fit; the bytes left.
+        The folder is listed only when the bytes counted would not leave room, or were
+        counted more than RECOUNT_S ago: not at every write."""
+        fits = self._held is not None and self._held + incoming <= self.capacity_bytes
+        if fits and time.monotonic() - self._counted_at < RECOUNT_S:
+            return self._held
         files = self._files()
         total = sum(size for _, size, _ in files)
         for path, size, _ in files:
@@ -245,54 +297,28 @@ class DiskTier:
                 if self._unlink(path):
                     self.stats.evicted += 1
                     total -= size
+        self._held, self._counted_at = total, time.monotonic()
         return total
 
     def _remove_stale_tmp(self) -> None:
         """Partial files of writers that died (this host: the process is gone; another
         host sharing the folder: older than STALE_TMP_S)."""
         now = time.time()
-        for path, _, mtime in self._files():
+        try:
+            temporary = [Path(entry.path) for entry in os.scandir(self.path) if _TMP.match(entry.name)]
+        except OSError:
+            return
+        for path in temporary:
             match = _TMP.match(path.name)
-            if match is None:
-                continue
+            try:
+                mtime = path.stat().st_mtime_ns
+            except OSError:
+                continue  # removed meanwhile
             same_host = match["host"] in (self._host, None)
             pid = int(match["pid"] or match["old_pid"])
             if (same_host and not _alive(pid)) or (not same_host and now - mtime / 1e9 > STALE_TMP_S):
                 if self._unlink(path):
                     self.stats.stale_tmp_removed += 1
-
-    def _folder_changed(self) -> bool:
-        try:
-            return self.path.stat().st_mtime_ns != self._scanned_mtime
-        except OSError:
-            return False
-
-    def _scan(self) -> None:
-        """Index the headers of chunk files not seen yet (a bad one is skipped and counted)."""
-        try:
-            self._scanned_mtime = self.path.stat().st_mtime_ns
-            entries = [e for e in os.scandir(self.path) if e.name.endswith(_SUFFIX)]
-        except OSError:
-            return
-        for entry in entries:
-            try:
-                stat = entry.stat()
-            except OSError:
-                continue
-            if self._seen.get(entry.name) == (stat.st_size, stat.st_ino):
-                continue
-            self._seen[entry.name] = (stat.st_size, stat.st_ino)
-            path = Path(entry.path)
-            try:
-                with open(path, "rb") as f:
-                    header = parse_header(f, path.name.removesuffix(_SUFFIX), os.fstat(f.fileno()).st_size)
-            except ValueError as error:
-                self.stats.bad_headers += 1
-                self._log_once("header", f"KVLabConnector store: skipping {path} ({error})")
-                continue
-            except OSError:
-                continue  # removed meanwhile, or unreadable: not indexed
-            self._add(header.block_keys)
 
     def _add(self, block_keys: list[str]) -> None:
         chunk_key = block_keys[-1]
@@ -300,6 +326,8 @@ class DiskTier:
         self._chunk_blocks[chunk_key] = block_keys
         for position, key in enumerate(block_keys):
             self._index[key] = (chunk_key, position)
+        while len(self._chunk_blocks) > INDEXED_CHUNKS:
+            self._forget(next(iter(self._chunk_blocks)))
 
     def _forget(self, chunk_key: str) -> None:
         for key in self._chunk_blocks.pop(chunk_key, ()):
@@ -310,18 +338,17 @@ class DiskTier:
         """A damaged file: counted, forgotten, removed when the folder allows it."""
         self.stats.corrupt += 1
         self._log_once(why, f"KVLabConnector store: dropping {path} ({error}); recomputing instead")
-        self._forget(path.name.removesuffix(_SUFFIX))
-        try:
-            stat = path.stat()
-            self._seen[path.name] = (stat.st_size, stat.st_ino)  # not indexed again unless rewritten
-        except OSError:
-            pass
-        self._unlink(path)
+        chunk_key = path.name.removesuffix(_SUFFIX)
+        self._forget(chunk_key)
+        kept = None if self._unlink(path) else self.identity(chunk_key)
+        if kept is not None:  # not indexed again unless it is rewritten
+            self._rejected[chunk_key] = kept
+            while len(self._rejected) > INDEXED_CHUNKS:
+                self._rejected.popitem(last=False)
 
     def _unlink(self, path: Path, count: bool = True) -> bool:
         try:
             path.unlink(missing_ok=True)
-            self._seen.pop(path.name, None)
             return True
         except OSError as error:
             if count:

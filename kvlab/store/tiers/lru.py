@@ -136,6 +136,11 @@ class BookedTier(Booked):
     def locate_many(self, block_keys: list[str]) -> list[tuple[str, int] | None]:
         return [self._book.locate(key) for key in block_keys]
 
+    def describe_many(self, chunk_keys: list[str]) -> list:
+        """Each chunk as :meth:`get` gives it (it has its block keys and signature): a tier
+        whose chunks are not in memory answers from their headers instead."""
+        return [self.get(key) for key in chunk_keys]
+
     def identity(self, chunk_key: str) -> int | None:
         """The entry object's id: an entry put again under the key is another one."""
         entry = self._book.get(chunk_key)

@@ -4,9 +4,10 @@ paused after (kvlab.store.tiers.backoff)."""
 
 from __future__ import annotations
 
+import io
 from typing import Any, Callable
 
-from kvlab.store.chunk import Chunk, ForgedChunk, from_bytes, to_bytes
+from kvlab.store.chunk import HEADER_PREFIX, Chunk, ForgedChunk, Header, from_bytes, header_length, parse_header, to_bytes
 from kvlab.store.keys import valid_key
 from kvlab.store.secrets import redact, resolve_redis_url
 from kvlab.store.tiers.backoff import Backoff
@@ -61,6 +62,45 @@ class RedisTier:
             return None
         chunk_key, _, position = value.decode(errors="replace").partition(":")
         return (chunk_key, int(position)) if valid_key(chunk_key) and position.isdigit() else None
+
+    def describe_many(self, chunk_keys: list[str]) -> list[Header | None]:
+        """Each chunk's header, checked against the schema and the value's length, in one
+        round trip (the first HEADER_PREFIX bytes of each value and its length; a second
+        trip only for headers longer than that): the payload crosses the network once, to
+        the worker that loads it. None for a missing or bad one (a bad one is dropped), or,
+        with ``auth_key``, one without a MAC."""
+        names = [self.PREFIX + "c:" + key for key in chunk_keys]
+
+        def ranges(spans: list[tuple[str, int, int]]) -> list:
+            pipe = self.client.pipeline(transaction=False)
+            for name, first, last in spans:
+                pipe.strlen(name)
+                pipe.getrange(name, first, last)
+            return pipe.execute()
+
+        replies = self._call("read", lambda: ranges([(name, 0, HEADER_PREFIX - 1) for name in names]))
+        if replies is None:
+            return [None] * len(chunk_keys)
+        heads = []
+        for key, name, size, head in zip(chunk_keys, names, replies[::2], replies[1::2]):
+            if not size:
+                heads.append(None)
+                continue
+            try:
+                length = header_length(head)
+                if length > len(head):  # a long header: the rest of it
+                    rest = self._call("read", lambda: ranges([(name, len(head), length - 1)]))
+                    head += rest[1] if rest else b""
+                header = parse_header(io.BytesIO(head), key, size)
+                if self.auth_key is not None and header.mac is None:
+                    raise ForgedChunk("no MAC, and this store has an auth_key")
+            except ValueError as error:
+                self.stats.bad_headers += not isinstance(error, ForgedChunk)
+                self.stats.forged += isinstance(error, ForgedChunk)
+                self._reject(key, error)
+                header = None
+            heads.append(header)
+        return heads
 
     def get(self, chunk_key: str) -> Chunk | None:
         value = self._call("read", lambda: self.client.get(self.PREFIX + "c:" + chunk_key))
