@@ -118,7 +118,7 @@ class ModelGeometry:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def token_bytes_per_layer(self) -> int:

@@ -73,7 +73,8 @@ class SchedulerSide:
         # (tier, chunk key) -> (the stored chunk's identity when checked, its block keys if intact and of this cache)
         self._checked: OrderedDict[tuple[str, str], tuple[object, tuple[str, ...] | None]] = OrderedDict()
         self._replanned: set[str] = set()
-        self._located: dict[tuple[str, str], tuple[str, int] | None] = {}  # (tier, shard key) -> where, this lookup
+        # block key -> {tier: (its chunk key per worker, position)} of the shared tiers that hold it, this lookup
+        self._shared_held: dict[str, dict[str, tuple[tuple[str, ...], int]]] = {}
         self._pinned: list[str] = []
         self._drops: list[str] = []
         self._reset = False
@@ -138,39 +139,42 @@ class SchedulerSide:
 
     def _shared_source(self, key: str) -> Source | None:
         """The first shared tier that holds this block for every worker, checked."""
-        if self.shared is None or self.signature is None:
-            return None
-        for tier in self.shared.shared_names:
-            chunk_keys, positions = [], set()
-            for rank in range(self.workers):
-                shard = shard_key(key, rank, self.workers)
-                found = self._located.get((tier, shard))
-                if found is None or not self._holds(tier, found[0], found[1], shard):
-                    break
-                chunk_keys.append(found[0])
-                positions.add(found[1])
-            if len(chunk_keys) == self.workers and len(positions) == 1:
-                return Source(tier, tuple(chunk_keys), positions.pop(), key)
+        for tier, (chunk_keys, position) in self._shared_held.get(key, {}).items():  # in lookup order
+            return Source(tier, chunk_keys, position, key)
         return None
 
+    def _held_everywhere(self, key: str) -> bool:
+        """Every shared tier holds this block for every worker, checked (a chunk file only
+        indexed may be damaged: saving over it repairs it)."""
+        return self.shared is not None and len(self._shared_held.get(key, ())) == len(self.shared.shared_names)
+
     def _locate_shared(self, keys: list[str]) -> None:
-        """Where each shared tier holds each block's shards: one call per tier (one round
-        trip to a remote one) for the whole prompt, not one per block."""
-        self._located = {}
+        """Which shared tiers hold each block for every worker, checked, and where: one call
+        per tier (one round trip to a remote one) for the whole prompt, not one per block."""
+        self._shared_held = {}
         if self.shared is None or self.signature is None:
             return
-        shards = [shard_key(key, rank, self.workers) for key in keys for rank in range(self.workers)]
-        for tier, where in self.shared.locate_shared(shards).items():
-            self._located.update(((tier, shard), found) for shard, found in zip(shards, where))
-        self._check_located()
+        shards = {key: [shard_key(key, rank, self.workers) for rank in range(self.workers)] for key in keys}
+        flat = [shard for key in keys for shard in shards[key]]
+        located = {tier: dict(zip(flat, where)) for tier, where in self.shared.locate_shared(flat).items()}
+        self._check_located(located)
+        for key in keys:
+            held = {}
+            for tier, where in located.items():
+                found = [where[shard] for shard in shards[key]]
+                if None not in found and len({f[1] for f in found}) == 1 \
+                        and all(self._holds(tier, f[0], f[1], shard) for f, shard in zip(found, shards[key])):
+                    held[tier] = (tuple(f[0] for f in found), found[0][1])
+            self._shared_held[key] = held
 
-    def _check_located(self) -> None:
+    def _check_located(self, located: dict[str, dict[str, tuple[str, int] | None]]) -> None:
         """Check each chunk located that was not checked since it last changed or vanished
         (one stat tells) or a worker could not load it: its header, against the workers'
         cache, one call per tier for all of them. The payload never crosses to the
         scheduler: the worker that loads it checks it, and a chunk that fails there is a
         load error, recomputed."""
-        chunks = dict.fromkeys((tier, found[0]) for (tier, _), found in self._located.items() if found is not None)
+        chunks = dict.fromkeys((tier, found[0]) for tier, where in located.items()
+                               for found in where.values() if found is not None)
         unchecked: dict[str, list[tuple[str, object]]] = {}
         for tier, chunk_key in chunks:
             memo = (tier, chunk_key)
@@ -179,6 +183,8 @@ class SchedulerSide:
                 self._checked.pop(memo, None)
             elif memo not in self._checked or self._checked[memo][0] != identity:
                 unchecked.setdefault(tier, []).append((chunk_key, identity))
+            else:
+                self._checked.move_to_end(memo)  # used now: the last to be forgotten
         for tier, pending in unchecked.items():
             headers = self.shared.describe(tier, [chunk_key for chunk_key, _ in pending])
             for (chunk_key, identity), header in zip(pending, headers):
@@ -188,30 +194,11 @@ class SchedulerSide:
         while len(self._checked) > CHECKED_CHUNKS:
             self._checked.popitem(last=False)
 
-    def _held_everywhere(self, key: str) -> bool:
-        """Every shared tier holds this block for every worker, checked (a chunk file only
-        indexed may be damaged: saving over it repairs it)."""
-        for tier in self.shared.shared_names if self.shared is not None else ():
-            for rank in range(self.workers):
-                shard = shard_key(key, rank, self.workers)
-                found = self._located.get((tier, shard))
-                if found is None or not self._holds(tier, found[0], found[1], shard):
-                    return False
-        return self.shared is not None
-
     def _holds(self, tier: str, chunk_key: str, position: int, block_key: str) -> bool:
-        """Whether the shared chunk, checked, holds ``block_key`` at ``position``."""
-        keys = self._checked_keys(tier, chunk_key)
-        return keys is not None and holds(keys, position, block_key)
-
-    def _checked_keys(self, tier: str, chunk_key: str) -> tuple[str, ...] | None:
-        """A shared chunk's block keys as this lookup checked them (:meth:`_check_located`);
-        None for a damaged, foreign or vanished one, which is never promised."""
-        memo = (tier, chunk_key)
-        if memo not in self._checked:
-            return None
-        self._checked.move_to_end(memo)
-        return self._checked[memo][1]
+        """Whether the shared chunk, as this lookup checked it, holds ``block_key`` at
+        ``position`` (a damaged, foreign or vanished one holds nothing)."""
+        entry = self._checked.get((tier, chunk_key))
+        return entry is not None and entry[1] is not None and holds(entry[1], position, block_key)
 
     def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
         """vLLM took the hit: counted once per request, however often it was looked up while

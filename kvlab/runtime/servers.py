@@ -255,11 +255,11 @@ class VLLMServer(ManagedServer):
 
     ``vllm_defaults`` runs the command a user copies from a connector's README: the model,
     the address, ``--enable-prompt-tokens-details`` (to see ``cached_tokens``) and the
-    ``--kv-transfer-config`` naming the connector, with vLLM's own defaults for everything
-    else (dtype, block size, prefix caching, compilation, max length, load-failure policy)
-    and no thread pins; only ``VLLM_CPU_KVCACHE_SPACE`` (a small machine cannot give vLLM's
-    default share of its memory) is set. The other fields but ``connector`` and ``extra``
-    are then ignored.
+    ``--kv-transfer-config`` naming the connector (none for "none"), with vLLM's own defaults
+    for everything else (dtype, block size, prefix caching, compilation, max length,
+    load-failure policy) and no thread pins; only ``VLLM_CPU_KVCACHE_SPACE`` (a small machine
+    cannot give vLLM's default share of its memory) is set. The other fields but
+    ``connector``, ``extra`` and ``args`` are then ignored.
     """
 
     model: str | Path
@@ -298,10 +298,13 @@ class VLLMServer(ManagedServer):
 
     def command(self) -> list[str]:
         if self.vllm_defaults:
-            transfer = {k: v for k, v in kv_transfer_config(self.connector, self.extra, self.workdir).items()
-                        if k != "kv_load_failure_policy"}
-            return [str(_vllm_executable()), "serve", str(self.model_folder), "--host", HOST, "--port", str(self.port),
-                    "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(transfer)]
+            args = [str(_vllm_executable()), "serve", str(self.model_folder), "--host", HOST, "--port", str(self.port),
+                    "--enable-prompt-tokens-details"]
+            transfer = kv_transfer_config(self.connector, self.extra, self.workdir)
+            if transfer is not None:
+                transfer = {k: v for k, v in transfer.items() if k != "kv_load_failure_policy"}
+                args += ["--kv-transfer-config", json.dumps(transfer)]
+            return args + list(self.args)
         args = [str(_vllm_executable()), "serve", str(self.model_folder), "--host", HOST, "--port", str(self.port),
                 "--served-model-name", self.served_model_name, "--dtype", self.dtype,
                 "--block-size", str(self.block_size), "--max-model-len", str(self.max_model_len),

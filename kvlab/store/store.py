@@ -96,6 +96,7 @@ class KVStore:
                              f"opened {[tier.name for tier in own]}")
         self._memory: MemoryTier = own[0]
         self._shared: tuple[Tier, ...] = tuple(tier for tier in tiers if tier.shared)
+        self._shared_names = tuple(tier.name for tier in self._shared)
 
     # ---- what it is made of (read-only) ------------------------------------------------
     @property
@@ -105,7 +106,8 @@ class KVStore:
 
     @property
     def shared_names(self) -> tuple[str, ...]:
-        return tuple(tier.name for tier in self._shared)
+        """Their names, in lookup order (a scheduler asks this for every block it looks up)."""
+        return self._shared_names
 
     @property
     def disk(self) -> DiskTier | None:
