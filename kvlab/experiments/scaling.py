@@ -315,3 +315,65 @@ def redis_fetch_pace(redis_url: str, geometry: ModelGeometry, tokens: int = 2048
             "server_get_s": statistics.median(bare), "tier_get_s": statistics.median(ours),
             "ratio": statistics.median(ours) / statistics.median(bare),
             "server_gbps": nbytes / statistics.median(bare) / 1e9}
+
+
+# ---- where a hit's milliseconds go -------------------------------------------------------------
+SCHEDULER_CALLS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+                   "update_connector_output", "request_finished")
+WORKER_CALLS = ("handle_preemptions", "bind_connector_metadata", "start_load_kv", "wait_for_save", "get_finished",
+                "build_connector_worker_meta", "get_block_ids_with_load_errors", "clear_connector_metadata")
+
+
+def overhead_profile(geometry: ModelGeometry, tokens: int = 2000, repeats: int = 15, method: str = "auto",
+                     layout: str = "CPU_LBHNC", tiers: tuple[str, ...] = ("memory",)) -> list[dict]:
+    """Where a whole-step hit of a ``tokens``-token prefix spends its time, every connector
+    call timed as vLLM makes them (kvlab.testing.driver, in this process): the scheduler's
+    calls, the worker's, and within ``start_load_kv`` the copy itself
+    (``load_work_seconds``). One row per call: its median milliseconds per hit request over
+    ``repeats``; then the copy, the rest of the load, the total, and the STREAM-style copy
+    of the loaded bytes (the bound)."""
+    from kvlab.testing.driver import connector_pair, prefill, register, settle
+
+    blocks = tokens // geometry.block_size + 1
+    scheduler, worker = connector_pair(geometry, 2 * blocks + 2, {"tiers": list(tiers), "method": method})
+    register(worker, f"vllm>=0.29 {layout}", geometry, 2 * blocks + 2)
+    settle(scheduler, worker)
+    prompt = [(13 * i + 5) % 30000 for i in range(tokens)]
+    prefill(scheduler, worker, "store", prompt, list(range(blocks)))
+    spent: dict[str, list[float]] = {}
+    for side, names in ((scheduler, SCHEDULER_CALLS), (worker, WORKER_CALLS)):
+        for name in names:
+            setattr(side, name, _timed(getattr(side, name), spent.setdefault(name, [])))
+    per_request: dict[str, list[float]] = {name: [] for name in (*spent, "copy", "total")}
+    loaded = 0
+    for i in range(repeats + 2):  # the first two warm up
+        for times in spent.values():
+            times.clear()
+        copy_before = worker.stats.load_work_seconds
+        hit = prefill(scheduler, worker, f"hit-{i}", prompt, list(range(blocks, 2 * blocks)))["hit_tokens"]
+        loaded = hit * geometry.token_bytes
+        if i < 2:
+            continue
+        for name, times in spent.items():
+            per_request[name].append(sum(times))
+        per_request["copy"].append(worker.stats.load_work_seconds - copy_before)
+        per_request["total"].append(sum(sum(times) for times in spent.values()))
+    rows = [{"call": name, "ms": 1e3 * statistics.median(times)} for name, times in per_request.items()]
+    medians = {row["call"]: row["ms"] for row in rows}
+    rows.append({"call": "start_load_kv without the copy", "ms": medians["start_load_kv"] - medians["copy"]})
+    rows.append({"call": "total without the copy", "ms": medians["total"] - medians["copy"]})
+    (bound,) = with_stream_bound([{"kv_bytes": loaded, "overhead_s": medians["total"] / 1e3}])
+    rows.append({"call": "STREAM copy of the loaded bytes", "ms": 1e3 * bound["stream_s"]})
+    return [{**row, "tokens": tokens, "kv_bytes": loaded, "method": worker.worker.method if hasattr(worker.worker, "method") else method,
+             "layout": layout, "tiers": "+".join(tiers)} for row in rows]
+
+
+def _timed(call: Any, into: list[float]) -> Any:
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        began = time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            into.append(time.perf_counter() - began)
+
+    return timed

@@ -60,7 +60,13 @@ def _reads_what_it_writes(t: Transfer) -> bool:
 
 def run_all(transfers: Sequence[Transfer], workers: int = 1) -> None:
     """Run independent transfers, ``workers`` at a time on host threads (a connector's
-    loads of several chunks: the copies are memory-bound, so a spare core helps)."""
+    loads of several chunks: the copies are memory-bound, so a spare core helps); in one
+    call where their method can issue them together (``memcpy``: one batch of every run)."""
+    methods = {transfer.method for transfer in transfers}
+    together = get_method(methods.pop()).run_many if len(methods) == 1 else None
+    if together is not None and all(transfer.device.type == "cpu" for transfer in transfers):
+        together(transfers, workers)
+        return
     if workers < 2 or len(transfers) < 2:
         for transfer in transfers:
             transfer.run()

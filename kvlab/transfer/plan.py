@@ -96,32 +96,61 @@ class CopyPlan:
 def copy_plan(
     src: KVCache, src_blocks: Sequence[int], dst: KVCache, dst_blocks: Sequence[int], layers: Sequence[int] | None = None
 ) -> CopyPlan:
-    """Byte runs that copy blocks ``src_blocks`` of ``src`` to ``dst_blocks`` of ``dst``."""
+    """Byte runs that copy blocks ``src_blocks`` of ``src`` to ``dst_blocks`` of ``dst``: one
+    block's runs (:func:`_block_runs`, worked out once per pair of layouts and shapes) moved
+    to each block pair, then merged across blocks."""
     geometry = src.geometry
-    itemsize = geometry.itemsize
-    src_views = part_views(src.layout, geometry, src.num_blocks)
-    dst_views = part_views(dst.layout, geometry, dst.num_blocks)
     sb = torch.as_tensor(list(src_blocks), dtype=torch.int64)
     db = torch.as_tensor(list(dst_blocks), dtype=torch.int64)
+    (src_t, src_o, dst_t, dst_o, length), (src_step, dst_step) = _block_runs(
+        src.layout.name, src.num_blocks, dst.layout.name, dst.num_blocks, geometry,
+        None if layers is None else tuple(layers))
+    if not length.numel() or not sb.numel():
+        empty = torch.zeros(0, dtype=torch.int64)
+        return CopyPlan(empty, empty, empty, empty, empty)
+    blocks = sb.numel()
+    src_o = (src_o[None, :] + sb[:, None] * src_step[src_t][None, :]).flatten()
+    dst_o = (dst_o[None, :] + db[:, None] * dst_step[dst_t][None, :]).flatten()
+    src_t, dst_t, length = (column.repeat(blocks) for column in (src_t, dst_t, length))
+    ((src_t, src_o), (dst_t, dst_o)), merged = merge_runs([(src_t, src_o), (dst_t, dst_o)], length)
+    return CopyPlan(src_t, src_o, dst_t, dst_o, merged)
+
+
+@functools.lru_cache(maxsize=256)
+def _block_runs(src_layout: str, src_num_blocks: int, dst_layout: str, dst_num_blocks: int, geometry: ModelGeometry,
+                layers: tuple[int, ...] | None) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
+    """The merged runs that copy block 0 of a source to block 0 of a destination, and each
+    backing tensor's block stride in bytes on either side: block b's runs are block 0's
+    moved by b strides (a tensor's block stride is the same for all its layers and parts,
+    so runs that merge in one block merge in every block)."""
+    itemsize = geometry.itemsize
+    src_views = part_views(src_layout, geometry, src_num_blocks)
+    dst_views = part_views(dst_layout, geometry, dst_num_blocks)
+    steps = []
+    for views in (src_views, dst_views):
+        step: dict[int, int] = {}
+        for row in views:
+            for view in row:
+                step[view.tensor] = view.strides[0] * itemsize
+        steps.append(torch.tensor([step.get(i, 0) for i in range(max(step, default=-1) + 1)], dtype=torch.int64))
     tokens = torch.arange(geometry.block_size)
     heads = torch.arange(geometry.num_kv_heads)
     columns: list[list[torch.Tensor]] = [[], [], [], [], []]
     for layer in range(geometry.num_layers) if layers is None else layers:
         for s, d in zip(src_views[layer], dst_views[layer]):
             grid = []
-            for view, blocks in ((s, sb), (d, db)):
-                b, n, h = view.strides
-                offsets = view.offset + blocks[:, None, None] * b + tokens[None, :, None] * n + heads[None, None, :] * h
-                grid.append(offsets.flatten() * itemsize)
+            for view in (s, d):
+                _, n, h = view.strides
+                grid.append((view.offset + tokens[:, None] * n + heads[None, :] * h).flatten() * itemsize)
             count = grid[0].numel()
             columns[0].append(torch.full((count,), s.tensor))
             columns[1].append(grid[0])
             columns[2].append(torch.full((count,), d.tensor))
             columns[3].append(grid[1])
             columns[4].append(torch.full((count,), s.size * itemsize))
-    if not columns[0] or not sb.numel():
+    if not columns[0]:
         empty = torch.zeros(0, dtype=torch.int64)
-        return CopyPlan(empty, empty, empty, empty, empty)
+        return (empty,) * 5, (steps[0], steps[1])
     src_t, src_o, dst_t, dst_o, length = (torch.cat(c) for c in columns)
     ((src_t, src_o), (dst_t, dst_o)), merged = merge_runs([(src_t, src_o), (dst_t, dst_o)], length)
-    return CopyPlan(src_t, src_o, dst_t, dst_o, merged)
+    return (src_t, src_o, dst_t, dst_o, merged), (steps[0], steps[1])

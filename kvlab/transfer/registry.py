@@ -30,6 +30,9 @@ class CopyMethod:
     label: str = ""  # in figure legends; the name when empty
     unavailable: Callable[[KVCache, KVCache], str | None] = _runs_anywhere  # why not here, or None
     peer: bool = False  # another project's copy function, timed beside kvlab's
+    # issue several independent transfers in one go on so many host threads (a connector's
+    # load of several chunks); None: kvlab.transfer.run_all runs them one by one
+    run_many: Callable[[Any, int], None] | None = None
     rank: int = 100  # position in tables and figures
 
     @property

@@ -640,3 +640,30 @@ LayerwiseLoad(buffer, cache, ids).start().wait(0)
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "BLHNC", "CPU_LBHNC"])
+def test_run_all_issues_memcpy_transfers_in_one_batch_bit_for_bit(layout: str, monkeypatch) -> None:
+    """Several chunks' loads in one native call (the connector's load of a prompt) land as
+    each transfer alone would put them, and the batch call is made once."""
+    from kvlab.transfer import run_all
+    from kvlab.transfer.methods import memcpy
+
+    if method_status("memcpy", allocate(layout, KV, 1), allocate(layout, KV, 1)) is not None:
+        pytest.skip("no C compiler for kvlab's batch copy")
+    cache = allocate(layout, KV, 16)
+    chunks = [allocate(layout, KV, n) for n in (3, 2, 4)]
+    for chunk in chunks:
+        for part in chunk.storage:
+            part.view(torch.int16).random_()
+    targets = [[5, 1, 9], [0, 14], [2, 3, 4, 12]]
+    expected = allocate(layout, KV, 16)
+    for chunk, blocks in zip(chunks, targets):
+        Transfer(chunk, list(range(chunk.num_blocks)), expected, blocks, "gather").run()
+    calls = []
+    real = memcpy.copy_addresses
+    monkeypatch.setattr(memcpy, "copy_addresses", lambda *a, **k: calls.append(1) or real(*a, **k))
+    run_all([Transfer(chunk, list(range(chunk.num_blocks)), cache, blocks, "memcpy")
+             for chunk, blocks in zip(chunks, targets)], workers=2)
+    assert calls == [1]
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(cache.storage, expected.storage))

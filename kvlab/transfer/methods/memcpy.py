@@ -72,6 +72,13 @@ def copy_memcpy(t: Transfer) -> None:
     copy_addresses(*t.prepared("memcpy", t.run_table))
 
 
+def copy_many(transfers: list[Transfer], workers: int) -> None:
+    """Every run of every transfer in one call: no thread started per chunk."""
+    tables = [t.prepared("memcpy", t.run_table) for t in transfers if t.plan.segments]
+    if tables:
+        copy_addresses(*(torch.cat(column) for column in zip(*tables)), threads=max(workers, torch.get_num_threads()))
+
+
 def unavailable(src: KVCache, dst: KVCache) -> str | None:
     if accelerator(src, dst) != "cpu":
         return f"kvlab's batch copy moves host memory; a {accelerator(src, dst)} device has its own copy engines"
@@ -79,4 +86,4 @@ def unavailable(src: KVCache, dst: KVCache) -> str | None:
     return library if isinstance(library, str) else None
 
 
-register(CopyMethod("memcpy", copy_memcpy, colour="#CC79A7", unavailable=unavailable, rank=15))
+register(CopyMethod("memcpy", copy_memcpy, colour="#CC79A7", unavailable=unavailable, rank=15, run_many=copy_many))
