@@ -107,18 +107,21 @@ class SchedulerSide:
         state.saves = earlier.saves if earlier else 0  # its blocks stay held until those saves are done
         self._requests[request.request_id] = state
         loadable = state.keys[: (len(prompt) - 1) // self.block_size]  # vLLM computes the last prompt token
-        matched = self._match(loadable)
-        state.shared_held = {key for key in loadable if self._held_everywhere(key)}
+        matched = self._match(loadable, state.keys)
+        state.shared_held = {key for key in state.keys if self._held_everywhere(key)}
         if matched is None:  # what would extend the hit is still being stored: ask again next step
             return None, False
         state.matched = matched
         state.local_blocks = num_computed_tokens // self.block_size
         return max(0, len(matched) - state.local_blocks) * self.block_size, False
 
-    def _match(self, keys: list[str]) -> list[Source] | None:
-        """Where each leading block of ``keys`` can be loaded from, for every worker."""
+    def _match(self, keys: list[str], every: list[str]) -> list[Source] | None:
+        """Where each leading block of ``keys`` can be loaded from, for every worker. The
+        shared tiers are asked about ``every`` full block of the prompt: its last chunk is
+        named by a block past the loadable ones (the one holding the last prompt token), and
+        a disk tier finds a chunk another process wrote by its name."""
         out: list[Source] = []
-        self._locate_shared(keys)
+        self._locate_shared(every)
         for key in keys:
             found = self.memory.locate(key) if self.memory is not None else None
             if found is not None:

@@ -67,6 +67,7 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._copy_workers = 1
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvlab-save") if config.async_saves else None
+        self._fetchers = ThreadPoolExecutor(2, thread_name_prefix="kvlab-fetch")
         self.suspended = False  # sleep mode: the KV memory is suspended (vLLM >= 0.33)
         self._lock = threading.Lock()
         self._jobs: dict[str, list[Future]] = {}  # request -> its save jobs not yet reported
@@ -162,8 +163,10 @@ class WorkerSide:
             groups[-1][1].append(source.position)
             groups[-1][2].append(block_id)
             groups[-1][3].append(source.block_key)
-        # fetched tail first: each read marks its chunk used, so a prompt's head outlives its tail
-        chunks = [self._fetch(*ident, dict(zip(positions, keys))) for ident, positions, _, keys in reversed(groups)]
+        # fetched tail first (each read marks its chunk used, so a prompt's head outlives its tail),
+        # two at a time: one chunk's checksum runs while the next one's bytes arrive
+        chunks = list(self._fetchers.map(lambda group: self._fetch(*group[0], dict(zip(group[1], group[3]))),
+                                         reversed(groups)))
         return [(chunk, positions, block_ids) for chunk, (_, positions, block_ids, _) in zip(chunks[::-1], groups)]
 
     def _fetch(self, tier: str, chunk_key: str, expect: dict[int, str] | None = None) -> Chunk | None:
@@ -174,8 +177,8 @@ class WorkerSide:
         loads there (and forgets a memory chunk that failed its check everywhere)."""
         found = self.store.fetch(chunk_key, self.signature, tier=tier, shard=(self.rank, self.workers),
                                  blocks={position: key for position, key in (expect or {}).items() if key})
-        self.stats.fallback_loads += found.chunk is not None and found.tier != tier
         with self._lock:
+            self.stats.fallback_loads += found.chunk is not None and found.tier != tier
             self._missed.update((name, chunk_key) for name in found.missed)
             if found.dropped:  # gone here; the scheduler forgets it everywhere
                 self._failed.add(chunk_key)
@@ -391,5 +394,6 @@ class WorkerSide:
             self._saver.submit(lambda: None).result()
 
     def shutdown(self) -> None:
+        self._fetchers.shutdown(wait=True)
         if self._saver is not None:
             self._saver.shutdown(wait=True)

@@ -1,34 +1,31 @@
-"""How the connector's costs grow (notebook 03, "How the costs grow"), each measured in one
-run on this machine: time to first token over the prefix-hit floor against prompt length,
-from each tier and through vLLM's ExampleConnector, beside the STREAM-style copy of the same
-bytes (the physical bound); a scheduler's lookup time and memory against the chunks a tier
-stores, and the disk tier's start-up; throughput and TTFT percentiles against concurrent
-requests through ``vllm serve``."""
+"""How the connector's costs grow with what grows in serving (notebook 03, "How the costs
+grow"), each measured in one run on this machine: time to first token over the prefix-hit
+floor against prompt length, from each tier and through vLLM's ExampleConnector, beside the
+STREAM-style copy of the same bytes (the physical bound); throughput and TTFT percentiles
+against concurrent requests through ``vllm serve``; and issue 30's targets against them.
+In-process costs (a hit call by call, lookups against chunks stored): kvlab.experiments.hit_costs."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import statistics
 import time
-import tracemalloc
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
-from kvlab.cache import ModelGeometry, allocate
 from kvlab.experiments.sweep import ceiling_copy
 from kvlab.runtime.progress import progress
 from kvlab.testing.compare import same_outputs
 from kvlab.testing.engine import EngineSpec, check_inputs, run_engine
 
 LENGTHS = (512, 2048, 8000)  # SmolLM2 holds 8192 tokens
-STORED = (10, 1000, 100_000)
 CONCURRENCY = (1, 4, 16, 32)
 SHARED_TIERS = ("shm", "disk", "redis")
+EXAMPLE_MAX_TOKENS = 4096  # vLLM's CPU engine computes at most this many tokens per step (max_num_batched_tokens)
 
 
 # ---- time to first token against prompt length ---------------------------------------------
@@ -49,7 +46,8 @@ def costs_by_length(model: str, prompts: list[list[int]], workdir: str | Path, r
     workdir = Path(workdir).resolve()
     shm = Path("/dev/shm") / f"kvlab-lengths-{uuid.uuid4().hex[:12]}"
     where = {"shm": {"shm_path": str(shm)}, "disk": {"disk_path": str(workdir / "disk")}, "redis": {"redis_url": redis_url}}
-    common = {"model": model, "dtype": dtype, "block_size": block_size, "prefix_caching": True}
+    common = {"model": model, "dtype": dtype, "block_size": block_size, "prefix_caching": True,
+              "max_model_len": max(map(len, prompts)) + 1}
     pairs = ("warm", "floor") * repeats
     every = {"tiers": ["memory", *SHARED_TIERS], **where["shm"], **where["disk"], **where["redis"],
              "shm_bytes": 2 << 30, "disk_bytes": 4 << 30}
@@ -57,10 +55,15 @@ def costs_by_length(model: str, prompts: list[list[int]], workdir: str | Path, r
              ("KVLab, memory", EngineSpec(**common, connector="kvlab", extra=every, phases=("cold", *pairs)))]
     plans += [(f"KVLab, {tier}", EngineSpec(**common, connector="kvlab", phases=pairs,
                                             extra={"tiers": [tier], **where[tier]})) for tier in SHARED_TIERS]
+    # vLLM's ExampleConnector stores a prompt in the step that computes it: a prompt that
+    # chunked prefill splits over steps fails its load (a shape mismatch in vLLM), so it is
+    # given the prompts one step holds and the others are rows saying why
+    example = [p for p in prompts if len(p) <= EXAMPLE_MAX_TOKENS]
     plans.append(("ExampleConnector", EngineSpec(**common, connector="example", workdir=str(workdir / "example"),
                                                  phases=("cold", *pairs))))
     try:
-        results = {name: run_engine(spec, prompts) for name, spec in progress(plans, desc="engines", unit="engine")}
+        results = {name: run_engine(spec, example if name == "ExampleConnector" else prompts)
+                   for name, spec in progress(plans, desc="engines", unit="engine")}
     finally:
         shutil.rmtree(shm, ignore_errors=True)
     rows = []
@@ -68,15 +71,21 @@ def costs_by_length(model: str, prompts: list[list[int]], workdir: str | Path, r
         if "warm" not in result["phases"]:
             continue
         for length in sorted({len(p) for p in prompts}):
-            mine = {"phases": {phase: [r for r in runs if r["prompt_tokens"] == length]
+            # one prompt per length: numbered 0 here, whichever prompts an engine was given
+            mine = {"phases": {phase: [{**r, "prompt": 0} for r in runs if r["prompt_tokens"] == length]
                                for phase, runs in result["phases"].items()}}
+            label = {"path": name, "prompt_tokens": length, "model": Path(model).name, "dtype": dtype}
+            if not mine["phases"]["warm"]:
+                rows.append({**label, "overhead_s": None, "kv_bytes": 0,
+                             "skipped": f"one engine step holds {EXAMPLE_MAX_TOKENS} tokens; ExampleConnector's load "
+                                        "of a prompt computed over several steps fails in vLLM (a shape mismatch)"})
+                continue
             warm = [r["seconds"] for r in mine["phases"]["warm"]]
             floor = [r["seconds"] for r in mine["phases"]["floor"]]
             cached = statistics.median(r["cached_tokens"] for r in mine["phases"]["warm"])
-            reference = {"phases": {"cold": [r for r in results["vLLM prefix cache"]["phases"]["cold"]
+            reference = {"phases": {"cold": [{**r, "prompt": 0} for r in results["vLLM prefix cache"]["phases"]["cold"]
                                              if r["prompt_tokens"] == length]}}
-            rows.append({"path": name, "prompt_tokens": length, "model": Path(model).name, "dtype": dtype,
-                         "warm_s": statistics.median(warm), "floor_s": statistics.median(floor),
+            rows.append({**label, "warm_s": statistics.median(warm), "floor_s": statistics.median(floor),
                          "overhead_s": statistics.median(w - f for w, f in zip(warm, floor)),
                          "cached_tokens": cached, "kv_bytes": int(cached * token_bytes), "samples": len(warm),
                          **same_outputs(reference, mine, "cold", "warm")})
@@ -86,129 +95,34 @@ def costs_by_length(model: str, prompts: list[list[int]], workdir: str | Path, r
 def with_stream_bound(rows: list[dict], repeats: int = 15) -> list[dict]:
     """Each row with ``stream_s``, the median time kvlab's STREAM-style copy (kvlab's C batch
     copy on torch's threads, one contiguous run) takes for its ``kv_bytes`` here, and
-    ``bound_ratio`` = overhead over it: the physical bound of a load."""
+    ``bound_ratio`` = overhead over it: the physical bound of a load. As STREAM asks, the
+    bytes come from memory, not from the cache: each repeat copies another buffer, and the
+    buffers together are four times the last-level cache (:func:`last_level_cache_bytes`)."""
     cpu = torch.device("cpu")
     bound: dict[int, float] = {}
     for nbytes in sorted({r["kv_bytes"] for r in rows if r["kv_bytes"]}):
-        copy = ceiling_copy(nbytes, "load", cpu, native=True)
-        copy()
-        times = []
-        for _ in range(repeats):
-            began = time.perf_counter()
+        copies = [ceiling_copy(nbytes, "load", cpu, native=True)
+                  for _ in range(max(2, min(-(-4 * last_level_cache_bytes() // nbytes), (4 << 30) // nbytes)))]
+        for copy in copies:
             copy()
+        times = []
+        for i in range(repeats):
+            began = time.perf_counter()
+            copies[i % len(copies)]()
             times.append(time.perf_counter() - began)
         bound[nbytes] = statistics.median(times)
     return [{**r, "stream_s": bound.get(r["kv_bytes"]),
              "bound_ratio": r["overhead_s"] / bound[r["kv_bytes"]] if r["kv_bytes"] else None} for r in rows]
 
 
-# ---- lookups against the chunks stored ---------------------------------------------------
-SCALE_GEOMETRY = ModelGeometry("lookup-scale", 1, 1, 8, torch.float16, 16)  # 512-byte blocks: 100k files fit
-LOOKUP_CHUNK_TOKENS = 256
-
-
-def lookup_scaling(workdir: str | Path, redis_url: str | None, stored: tuple[int, ...] = STORED,
-                   tokens: int = 2048, repeats: int = 30, fresh: int = 5) -> list[dict]:
-    """A scheduler's lookup of a ``tokens``-token prompt whose chunks a shared tier holds,
-    with ``stored`` chunks in all (the others synthetic, one block each, as another engine
-    would have written them), for the disk tier and, with ``redis_url``, Redis (its database
-    is emptied first). Per size: the tier's start-up (``startup_ms``: a store opening it),
-    the first lookup of a new engine (``first_lookup_ms``: headers read, index filled) and
-    its memory (``first_lookup_kib``, traced), and a repeated lookup (``lookup_ms``, median
-    of ``repeats``)."""
-    tiers = {"disk": {"tiers": ["disk"], "disk_path": str(Path(workdir).resolve() / "lookup-disk")}}
-    if redis_url is not None:
-        import redis
-
-        from kvlab.store.secrets import resolve_redis_url
-
-        redis.Redis.from_url(resolve_redis_url(redis_url)).flushdb()
-        tiers["redis"] = {"tiers": ["redis"], "redis_url": redis_url}
-    rows = []
-    for tier, extra in tiers.items():
-        extra = {**extra, "chunk_size": LOOKUP_CHUNK_TOKENS}
-        prompt = [(7 * i + 11) % 30000 for i in range(tokens + 1)]
-        signature = _store_prompt(extra, prompt)
-        filled = 0
-        for count in progress(stored, desc=f"{tier}: chunks stored", unit="size"):
-            filled = _fill(extra, signature, filled, count)
-            rows.append({"tier": tier, "stored_chunks": count, "prompt_tokens": tokens,
-                         **_time_lookups(extra, prompt, repeats, fresh)})
-    return rows
-
-
-def _store_prompt(extra: dict, prompt: list[int]) -> str:
-    """Store the prompt's chunks through a connector (as an engine would); the workers'
-    cache signature."""
-    from kvlab.testing.driver import connector_pair, prefill
-
-    scheduler, worker = _engine(extra, connector_pair)
-    blocks = len(prompt) // SCALE_GEOMETRY.block_size + 1
-    prefill(scheduler, worker, "seed", prompt, list(range(blocks)))
-    return scheduler.scheduler.signature
-
-
-def _engine(extra: dict, connector_pair: Any) -> tuple[Any, Any]:
-    from kvlab.connector import reset_stores
-    from kvlab.testing.driver import register, settle
-
-    reset_stores()
-    blocks = 4096 // SCALE_GEOMETRY.block_size + 8
-    scheduler, worker = connector_pair(SCALE_GEOMETRY, blocks, extra)
-    register(worker, "vllm>=0.29 LBHNC", SCALE_GEOMETRY, blocks)
-    settle(scheduler, worker)  # the scheduler learns the workers' cache
-    return scheduler, worker
-
-
-def _fill(extra: dict, signature: str, filled: int, count: int) -> int:
-    """Write synthetic one-block chunks until ``count`` are stored in all."""
-    from kvlab.store import Chunk, KVStore
-
-    store = KVStore(capacity_bytes=1 << 20, promote=False, **_store_settings(extra))
-    buffer = allocate("LBHNC", SCALE_GEOMETRY, 1)
-    sealed = Chunk([os.urandom(16).hex()], buffer, signature).seal()
-    for _ in range(max(0, count - filled)):
-        store.save(Chunk([os.urandom(16).hex()], buffer, signature, sealed.crc), memory=False)
-    return max(filled, count)
-
-
-def _store_settings(extra: dict) -> dict:
-    return {key: extra[key] for key in ("disk_path", "redis_url") if key in extra}
-
-
-def _time_lookups(extra: dict, prompt: list[int], repeats: int, fresh: int) -> dict:
-    from kvlab.store import KVStore
-    from kvlab.testing.driver import connector_pair, vllm_request
-
-    startup = []
-    for _ in range(3):
-        began = time.perf_counter()
-        KVStore(capacity_bytes=1 << 20, **_store_settings(extra))
-        startup.append(time.perf_counter() - began)
-    firsts = []
-    for i in range(fresh):  # a new engine's first lookup: every header read, the index filled
-        scheduler, _ = _engine(extra, connector_pair)
-        began = time.perf_counter()
-        hit, _ = scheduler.get_num_new_matched_tokens(vllm_request(f"first-{i}", prompt), 0)
-        firsts.append(time.perf_counter() - began)
-    expected = (len(prompt) - 1) // SCALE_GEOMETRY.block_size * SCALE_GEOMETRY.block_size
-    if hit != expected:
-        raise RuntimeError(f"the lookup found {hit} of the prompt's {expected} stored tokens")
-    again = []
-    for i in range(repeats + 5):  # the first five warm up
-        request = vllm_request(f"again-{i}", prompt)
-        began = time.perf_counter()
-        scheduler.get_num_new_matched_tokens(request, 0)
-        again.append(time.perf_counter() - began)
-        scheduler.request_finished(request, [])  # as vLLM ends it: its state goes
-    scheduler, _ = _engine(extra, connector_pair)
-    tracemalloc.start()  # what a first lookup keeps (the scheduler's memo, the tier's index), untimed
-    scheduler.get_num_new_matched_tokens(vllm_request("traced", prompt), 0)
-    kept = tracemalloc.get_traced_memory()[0] / 1024
-    tracemalloc.stop()
-    return {"startup_ms": 1e3 * statistics.median(startup), "first_lookup_ms": 1e3 * statistics.median(firsts),
-            "first_lookup_kib": kept, "lookup_ms": 1e3 * statistics.median(again[5:]),
-            "hit_tokens": hit}
+def last_level_cache_bytes() -> int:
+    """This CPU's last-level cache, from sysfs; 64 MiB where it does not say."""
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = path.read_text().strip().upper()
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+    return max(sizes, default=64 << 20)
 
 
 # ---- concurrent requests through vllm serve ---------------------------------------------------
@@ -273,107 +187,25 @@ def _percentile(ordered: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
-# ---- Redis: a load against the server's own pace ---------------------------------------------
-def redis_fetch_pace(redis_url: str, geometry: ModelGeometry, tokens: int = 2048, chunk_tokens: int = 256,
-                     repeats: int = 15) -> dict:
-    """A ``tokens``-token prefix stored in Redis as chunks of ``chunk_tokens``, fetched the way
-    a worker does (the Redis tier's ``get``: one GET per chunk, then the header checked, the
-    CRC32C and a view of the bytes without a copy) against the server's own pace for the
-    same ready values (a bare GET of each): medians, and their ratio."""
-    import redis
-
-    from kvlab.store import Chunk, KVStore, block_hashes, signature
-    from kvlab.store.secrets import resolve_redis_url
-
-    client = redis.Redis.from_url(resolve_redis_url(redis_url))
-    client.flushdb()
-    store = KVStore(capacity_bytes=1 << 20, redis_url=redis_url, promote=False)
-    tier = store.tier("redis")
-    blocks = chunk_tokens // geometry.block_size
-    keys = block_hashes(list(range(tokens)), geometry.block_size, "pace")
-    chunks = []
-    for first in range(0, len(keys), blocks):
-        buffer = allocate("LBHNC", geometry, len(keys[first:first + blocks]))
-        for part in buffer.storage:
-            part.view(torch.uint8).random_()
-        chunks.append(Chunk(keys[first:first + blocks], buffer, signature(buffer)).seal())
-        store.save(chunks[-1], memory=False)
-    names = [tier.PREFIX + "c:" + chunk.key for chunk in chunks]
-    bare, ours = [], []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        for name in names:
-            client.get(name)
-        bare.append(time.perf_counter() - began)
-        began = time.perf_counter()
-        for chunk in chunks:
-            if tier.get(chunk.key) is None:
-                raise RuntimeError(f"chunk {chunk.key} did not come back from Redis")
-        ours.append(time.perf_counter() - began)
-    nbytes = sum(chunk.nbytes for chunk in chunks)
-    return {"prompt_tokens": tokens, "chunks": len(chunks), "kv_bytes": nbytes,
-            "server_get_s": statistics.median(bare), "tier_get_s": statistics.median(ours),
-            "ratio": statistics.median(ours) / statistics.median(bare),
-            "server_gbps": nbytes / statistics.median(bare) / 1e9}
-
-
-# ---- where a hit's milliseconds go -------------------------------------------------------------
-SCHEDULER_CALLS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-                   "update_connector_output", "request_finished")
-WORKER_CALLS = ("handle_preemptions", "bind_connector_metadata", "start_load_kv", "wait_for_save", "get_finished",
-                "build_connector_worker_meta", "get_block_ids_with_load_errors", "clear_connector_metadata")
-
-
-def overhead_profile(geometry: ModelGeometry, tokens: int = 2000, repeats: int = 15, method: str = "auto",
-                     layout: str = "CPU_LBHNC", tiers: tuple[str, ...] = ("memory",)) -> list[dict]:
-    """Where a whole-step hit of a ``tokens``-token prefix spends its time, every connector
-    call timed as vLLM makes them (kvlab.testing.driver, in this process): the scheduler's
-    calls, the worker's, and within ``start_load_kv`` the copy itself
-    (``load_work_seconds``). One row per call: its median milliseconds per hit request over
-    ``repeats``; then the copy, the rest of the load, the total, and the STREAM-style copy
-    of the loaded bytes (the bound)."""
-    from kvlab.testing.driver import connector_pair, prefill, register, settle
-
-    blocks = tokens // geometry.block_size + 1
-    scheduler, worker = connector_pair(geometry, 2 * blocks + 2, {"tiers": list(tiers), "method": method})
-    register(worker, f"vllm>=0.29 {layout}", geometry, 2 * blocks + 2)
-    settle(scheduler, worker)
-    prompt = [(13 * i + 5) % 30000 for i in range(tokens)]
-    prefill(scheduler, worker, "store", prompt, list(range(blocks)))
-    spent: dict[str, list[float]] = {}
-    for side, names in ((scheduler, SCHEDULER_CALLS), (worker, WORKER_CALLS)):
-        for name in names:
-            setattr(side, name, _timed(getattr(side, name), spent.setdefault(name, [])))
-    per_request: dict[str, list[float]] = {name: [] for name in (*spent, "copy", "total")}
-    loaded = 0
-    for i in range(repeats + 2):  # the first two warm up
-        for times in spent.values():
-            times.clear()
-        copy_before = worker.stats.load_work_seconds
-        hit = prefill(scheduler, worker, f"hit-{i}", prompt, list(range(blocks, 2 * blocks)))["hit_tokens"]
-        loaded = hit * geometry.token_bytes
-        if i < 2:
-            continue
-        for name, times in spent.items():
-            per_request[name].append(sum(times))
-        per_request["copy"].append(worker.stats.load_work_seconds - copy_before)
-        per_request["total"].append(sum(sum(times) for times in spent.values()))
-    rows = [{"call": name, "ms": 1e3 * statistics.median(times)} for name, times in per_request.items()]
-    medians = {row["call"]: row["ms"] for row in rows}
-    rows.append({"call": "start_load_kv without the copy", "ms": medians["start_load_kv"] - medians["copy"]})
-    rows.append({"call": "total without the copy", "ms": medians["total"] - medians["copy"]})
-    (bound,) = with_stream_bound([{"kv_bytes": loaded, "overhead_s": medians["total"] / 1e3}])
-    rows.append({"call": "STREAM copy of the loaded bytes", "ms": 1e3 * bound["stream_s"]})
-    return [{**row, "tokens": tokens, "kv_bytes": loaded, "method": worker.worker.method if hasattr(worker.worker, "method") else method,
-             "layout": layout, "tiers": "+".join(tiers)} for row in rows]
-
-
-def _timed(call: Any, into: list[float]) -> Any:
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        began = time.perf_counter()
-        try:
-            return call(*args, **kwargs)
-        finally:
-            into.append(time.perf_counter() - began)
-
-    return timed
+def targets(lengths: Sequence[dict], lookups: Sequence[dict], pace: dict, serving: Sequence[dict]) -> list[dict]:
+    """Issue 30's targets against the measurements: a hit from memory within 1.5x the
+    STREAM copy of its bytes at 2k and 8k tokens; a lookup within 1 ms with 100,000 chunks
+    stored; a Redis load within 1.2x the server's pace; with 16 concurrent requests,
+    KVLabConnector's throughput at least 0.95x vLLM's own prefix cache."""
+    out = []
+    for row in lengths:
+        if row["path"] == "KVLab, memory" and row["prompt_tokens"] >= 2000:
+            out.append({"target": f"hit from memory, {row['prompt_tokens']} tokens: overhead / STREAM copy <= 1.5",
+                        "measured": row["bound_ratio"], "met": row["bound_ratio"] <= 1.5})
+    for row in lookups:
+        if row["stored_chunks"] == max(r["stored_chunks"] for r in lookups):
+            out.append({"target": f"{row['tier']} lookup, {row['prompt_tokens']} tokens, {row['stored_chunks']:,} chunks "
+                                  "stored: ms <= 1", "measured": row["lookup_ms"], "met": row["lookup_ms"] <= 1.0})
+    out.append({"target": "Redis load / the server's own GET pace <= 1.2", "measured": pace["ratio"],
+                "met": pace["ratio"] <= 1.2})
+    at = {r["server"]: r for r in serving if r["concurrency"] == 16}
+    if "KVLabConnector" in at and "vLLM prefix cache" in at:
+        ratio = at["KVLabConnector"]["throughput_rps"] / at["vLLM prefix cache"]["throughput_rps"]
+        out.append({"target": "16 concurrent: throughput / vLLM's prefix cache >= 0.95", "measured": ratio,
+                    "met": ratio >= 0.95})
+    return out

@@ -221,14 +221,17 @@ def to_bytes(chunk: Chunk, auth_key: bytes | None = None) -> bytes:
     return encode_header(chunk, auth_key) + b"".join(payload(chunk))
 
 
-def from_bytes(value: bytes, chunk_key: str, auth_key: bytes | None = None) -> Chunk:
+def from_bytes(value: bytes | memoryview, chunk_key: str, auth_key: bytes | None = None) -> Chunk:
     """The chunk a :func:`to_bytes` value stored under ``chunk_key`` holds, checked: its
     header against the schema, its checksum and, with ``auth_key``, its MAC. ValueError
-    for anything else (:class:`ForgedChunk` for a MAC that does not match): a tier drops it."""
-    header = parse_header(io.BytesIO(value), chunk_key, len(value))
+    for anything else (:class:`ForgedChunk` for a MAC that does not match): a tier drops it.
+    The chunk's tensors are views of ``value``, not a copy."""
+    view = memoryview(value)
+    start = header_length(bytes(view[:len(_MAGIC) + 8]))
+    header = parse_header(io.BytesIO(bytes(view[:start])), chunk_key, len(view))
     with warnings.catch_warnings():  # the value is not written to: no copy of it is made
         warnings.filterwarnings("ignore", "The given buffer is not writable")
-        flat = torch.frombuffer(value, dtype=torch.uint8, offset=header.payload_start)
+        flat = torch.frombuffer(view, dtype=torch.uint8, offset=header.payload_start)
     chunk = chunk_from(header, flat)
     if not chunk.intact():
         raise ValueError("checksum does not match")

@@ -392,3 +392,17 @@ def test_a_failing_save_or_load_never_reaches_the_request(monkeypatch, caplog, l
     assert result["hit_tokens"] == 4 * BS
     assert result["report"].invalid_block_ids == {10, 11, 12, 13}, "handed back to vLLM to recompute"
     assert worker.stats.load_errors == 1
+
+
+def test_another_engine_finds_a_prompts_last_chunk_in_a_shared_folder_and_saves_nothing_again(tmp_path) -> None:
+    """A block-aligned prompt's last chunk ends with the block holding its last token, which
+    no lookup loads (vLLM computes that token): the chunk is still found by a new engine's
+    disk tier, which finds files by the chunk names a prompt's keys give, and every chunk is
+    held already, so the hit writes nothing again."""
+    extra = {"tiers": ["disk"], "disk_path": str(tmp_path / "kv"), "chunk_size": 2 * BS}
+    scheduler, worker = fresh(extra)
+    prompt = list(range(4 * BS))  # blocks k0..k3 in chunks (k0, k1) and (k2, k3)
+    run_step(scheduler, worker, "a", prompt, [0, 1, 2, 3], False)
+    scheduler, worker = fresh(extra)  # another process: nothing indexed
+    assert run_step(scheduler, worker, "b", prompt, [4, 5, 6, 7], False) == 3 * BS
+    assert worker.stats.saved_blocks == 0

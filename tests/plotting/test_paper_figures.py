@@ -18,7 +18,7 @@ from kvlab.plotting import (  # noqa: E402
     accuracy_figure, atlas, bandwidth_vs_tokens, break_even_figure, comparison_figure, cost_model_figure,
     deployed_figure, engine_layouts_figure, hardware_figure, hooks_timeline, layerwise_figure, memory_map, miniature, network_tier_figure,
     registration_figure, roundtrip_figure, segment_scaling, segments_by_layout, transfer_ratios,
-    ttft_figure,
+    ttft_figure, costs_by_length_figure, lookup_scaling_figure, concurrency_figure,
 )
 from kvlab.results import committed_results_dir, load_results, results_for  # noqa: E402
 
@@ -158,6 +158,12 @@ FIGURES = {
     "roundtrip_figure": lambda **kw: roundtrip_figure(records(committed("04_roundtrip")), **kw),
     "accuracy_figure": accuracy,
     "comparison_figure": comparison,
+    "costs_by_length_figure": lambda **kw: costs_by_length_figure(
+        records(committed("03_costs_by_length")), "smollm2-135m-instruct-bf16: a hit against prompt length", **kw),
+    "lookup_scaling_figure": lambda **kw: lookup_scaling_figure(
+        records(committed("03_lookup_scaling")), "a scheduler's lookup against chunks stored", **kw),
+    "concurrency_figure": lambda **kw: concurrency_figure(
+        records(committed("03_concurrency")), "serving against concurrent requests", **kw),
 }
 
 

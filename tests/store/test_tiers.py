@@ -4,6 +4,8 @@ Redis tier's paused writes counted as its own."""
 
 from __future__ import annotations
 
+import os
+
 import logging
 import socket
 import types
@@ -203,3 +205,20 @@ def test_a_store_without_the_built_in_memory_tier_is_refused() -> None:
 
         register_tier("memory", open_memory, shared=False, replace=True)
     assert KVStore().tier("memory") is not None
+
+
+def test_the_bulk_reader_reads_values_whole_and_names_what_it_cannot_read(redis_server) -> None:
+    """kvlab's GET (a value read straight into memory of its own): the bytes redis-py reads,
+    None for a missing key, an OSError naming an error reply, and a new connection after one."""
+    from kvlab.store.tiers.resp import BulkReader
+
+    client = redis_server.client()
+    value = os.urandom(3 << 20) + b"\r\n$-1\r\n"  # a value that holds what replies are made of
+    client.set("v", value)
+    client.rpush("a list", "x")
+    reader = BulkReader(client.connection_pool.connection_kwargs, timeout_s=5)
+    assert bytes(reader.get("v")) == value and reader.get("missing") is None
+    with pytest.raises(OSError, match="WRONGTYPE"):
+        reader.get("a list")
+    assert bytes(reader.get("v")) == value, "a fresh connection after the error"
+    reader.close()

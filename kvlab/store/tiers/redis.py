@@ -11,6 +11,7 @@ from kvlab.store.chunk import HEADER_PREFIX, Chunk, ForgedChunk, Header, from_by
 from kvlab.store.keys import valid_key
 from kvlab.store.secrets import redact, resolve_redis_url
 from kvlab.store.tiers.backoff import Backoff
+from kvlab.store.tiers.resp import BulkReader
 from kvlab.store.tiers.stats import StoreStats
 
 
@@ -36,6 +37,11 @@ class RedisTier:
         self.auth_key = auth_key
         self.client = redis.Redis.from_url(resolve_redis_url(url), socket_timeout=timeout_s,
                                            socket_connect_timeout=timeout_s)
+        pool = self.client.connection_pool
+        # a chunk's bytes read straight into its own memory; redis-py's parser where kvlab's
+        # reader does not speak the connection (TLS)
+        plain = pool.connection_class in (redis.Connection, redis.UnixDomainSocketConnection)
+        self._bulk = BulkReader(pool.connection_kwargs, timeout_s) if plain else None
         self._errors = (redis.RedisError, OSError)
         self._backoff = Backoff()
         self.round_trips = 0
@@ -103,7 +109,8 @@ class RedisTier:
         return heads
 
     def get(self, chunk_key: str) -> Chunk | None:
-        value = self._call("read", lambda: self.client.get(self.PREFIX + "c:" + chunk_key))
+        name = self.PREFIX + "c:" + chunk_key
+        value = self._call("read", lambda: self._bulk.get(name) if self._bulk else self.client.get(name))
         if value is None:
             return None
         self.stats.read_from(self.name)

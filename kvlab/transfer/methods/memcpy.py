@@ -19,6 +19,7 @@ import torch
 
 from kvlab.cache.allocation import KVCache
 from kvlab.transfer.common import accelerator
+from kvlab.transfer.plan import block_run_addresses
 from kvlab.transfer.registry import CopyMethod, register
 
 if TYPE_CHECKING:
@@ -73,9 +74,11 @@ def copy_memcpy(t: Transfer) -> None:
 
 
 def copy_many(transfers: list[Transfer], workers: int) -> None:
-    """Every run of every transfer in one call: no thread started per chunk."""
-    tables = [t.prepared("memcpy", t.run_table) for t in transfers if t.plan.segments]
-    if tables:
+    """Every run of every transfer in one call, each planned block by block without merging
+    (a connector's load: each chunk is planned once and copied once): no thread started per
+    chunk, no plan merged that is used once."""
+    tables = [block_run_addresses(t.src, t.src_blocks, t.dst, t.dst_blocks, t.layers) for t in transfers]
+    if any(length.numel() for _, _, length in tables):
         copy_addresses(*(torch.cat(column) for column in zip(*tables)), threads=max(workers, torch.get_num_threads()))
 
 

@@ -1,0 +1,256 @@
+"""What one hit costs the connector, measured in this process (kvlab.testing.driver drives
+it as vLLM would): where a whole-step hit's milliseconds go, call by call; a scheduler's
+lookup against the chunks a tier stores, and what lookups keep in memory; a Redis load
+against the server's own pace. Notebook 03, "How the costs grow"."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvlab.cache import ModelGeometry, allocate
+from kvlab.experiments.scaling import with_stream_bound
+from kvlab.runtime.progress import progress
+
+STORED = (10, 1000, 100_000)
+
+# ---- where a hit's milliseconds go -------------------------------------------------------------
+SCHEDULER_CALLS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+                   "update_connector_output", "request_finished")
+WORKER_CALLS = ("handle_preemptions", "bind_connector_metadata", "start_load_kv", "wait_for_save", "get_finished",
+                "build_connector_worker_meta", "get_block_ids_with_load_errors", "clear_connector_metadata")
+
+
+def overhead_profile(geometry: ModelGeometry, tokens: int = 2000, repeats: int = 15, method: str = "auto",
+                     layout: str = "CPU_LBHNC", extra: dict | None = None) -> list[dict]:
+    """Where a whole-step hit of a ``tokens``-token prefix spends its time, every connector
+    call timed as vLLM makes them (kvlab.testing.driver, in this process): the scheduler's
+    calls, the worker's, and within ``start_load_kv`` the copy itself
+    (``load_work_seconds``). One row per call: its median milliseconds per hit request over
+    ``repeats``; then the copy, the rest of the load, the total, and the STREAM-style copy
+    of the loaded bytes (the bound). ``extra``: the connector's settings (memory alone by
+    default; e.g. ``{"tiers": ["disk"], "disk_path": ...}``)."""
+    from kvlab.testing.driver import connector_pair, prefill, register, settle
+
+    blocks = tokens // geometry.block_size + 1
+    extra = {"tiers": ["memory"], **(extra or {}), "method": method}
+    scheduler, worker = connector_pair(geometry, 2 * blocks + 2, extra)
+    register(worker, f"vllm>=0.29 {layout}", geometry, 2 * blocks + 2)
+    settle(scheduler, worker)
+    prompt = [(13 * i + 5) % 30000 for i in range(tokens)]
+    prefill(scheduler, worker, "store", prompt, list(range(blocks)))
+    spent: dict[str, list[float]] = {}
+    for side, names in ((scheduler, SCHEDULER_CALLS), (worker, WORKER_CALLS)):
+        for name in names:
+            setattr(side, name, _timed(getattr(side, name), spent.setdefault(name, [])))
+    per_request: dict[str, list[float]] = {name: [] for name in (*spent, "copy", "total")}
+    loaded = 0
+    for i in range(repeats + 2):  # the first two warm up
+        for times in spent.values():
+            times.clear()
+        copy_before = worker.stats.load_work_seconds
+        hit = prefill(scheduler, worker, f"hit-{i}", prompt, list(range(blocks, 2 * blocks)))["hit_tokens"]
+        loaded = hit * geometry.token_bytes
+        if i < 2:
+            continue
+        for name, times in spent.items():
+            per_request[name].append(sum(times))
+        per_request["copy"].append(worker.stats.load_work_seconds - copy_before)
+        per_request["total"].append(sum(sum(times) for times in spent.values()))
+    rows = [{"call": name, "ms": 1e3 * statistics.median(times)} for name, times in per_request.items()]
+    medians = {row["call"]: row["ms"] for row in rows}
+    rows.append({"call": "start_load_kv without the copy", "ms": medians["start_load_kv"] - medians["copy"]})
+    rows.append({"call": "total without the copy", "ms": medians["total"] - medians["copy"]})
+    (bound,) = with_stream_bound([{"kv_bytes": loaded, "overhead_s": medians["total"] / 1e3}])
+    rows.append({"call": "STREAM copy of the loaded bytes", "ms": 1e3 * bound["stream_s"]})
+    return [{**row, "tokens": tokens, "kv_bytes": loaded, "method": worker.worker.method,
+             "layout": layout, "tiers": "+".join(extra["tiers"])} for row in rows]
+
+
+def _timed(call: Any, into: list[float]) -> Any:
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        began = time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            into.append(time.perf_counter() - began)
+
+    return timed
+
+
+# ---- lookups against the chunks stored ---------------------------------------------------
+SCALE_GEOMETRY = ModelGeometry("lookup-scale", 1, 1, 8, torch.float16, 16)  # 512-byte blocks: 100k files fit
+LOOKUP_CHUNK_TOKENS = 256
+
+
+def lookup_scaling(workdir: str | Path, redis_url: str | None, stored: tuple[int, ...] = STORED,
+                   tokens: int = 2048, repeats: int = 30, fresh: int = 5) -> list[dict]:
+    """A scheduler's lookup of a ``tokens``-token prompt whose chunks a shared tier holds,
+    with ``stored`` chunks in all (the others synthetic, one block each, as another engine
+    would have written them), for the disk tier and, with ``redis_url``, Redis (its database
+    is emptied first). Per size: the tier's start-up (``startup_ms``: a store opening it),
+    the first lookup of a new engine (``first_lookup_ms``: headers read, index filled) and
+    its memory (``first_lookup_kib``, traced), and a repeated lookup (``lookup_ms``, median
+    of ``repeats``)."""
+    tiers = {"disk": {"tiers": ["disk"], "disk_path": str(Path(workdir).resolve() / "lookup-disk")}}
+    if redis_url is not None:
+        import redis
+
+        from kvlab.store.secrets import resolve_redis_url
+
+        redis.Redis.from_url(resolve_redis_url(redis_url)).flushdb()
+        tiers["redis"] = {"tiers": ["redis"], "redis_url": redis_url}
+    rows = []
+    for tier, extra in tiers.items():
+        extra = {**extra, "chunk_size": LOOKUP_CHUNK_TOKENS}
+        prompt = [(7 * i + 11) % 30000 for i in range(tokens + 1)]
+        signature = _store_prompt(extra, prompt)
+        filled = 0
+        for count in progress(stored, desc=f"{tier}: chunks stored", unit="size"):
+            filled = _fill(extra, signature, filled, count)
+            rows.append({"tier": tier, "stored_chunks": count, "prompt_tokens": tokens,
+                         **_time_lookups(extra, prompt, repeats, fresh)})
+    return rows
+
+
+def _store_prompt(extra: dict, prompt: list[int]) -> str:
+    """Store the prompt's chunks through a connector (as an engine would); the workers'
+    cache signature."""
+    from kvlab.testing.driver import connector_pair, prefill
+
+    scheduler, worker = _engine(extra, connector_pair)
+    blocks = len(prompt) // SCALE_GEOMETRY.block_size + 1
+    prefill(scheduler, worker, "seed", prompt, list(range(blocks)))
+    return scheduler.scheduler.signature
+
+
+def _engine(extra: dict, connector_pair: Any) -> tuple[Any, Any]:
+    from kvlab.connector import reset_stores
+    from kvlab.testing.driver import register, settle
+
+    reset_stores()
+    blocks = 4096 // SCALE_GEOMETRY.block_size + 8
+    scheduler, worker = connector_pair(SCALE_GEOMETRY, blocks, extra)
+    register(worker, "vllm>=0.29 LBHNC", SCALE_GEOMETRY, blocks)
+    settle(scheduler, worker)  # the scheduler learns the workers' cache
+    return scheduler, worker
+
+
+def _fill(extra: dict, signature: str, filled: int, count: int) -> int:
+    """Write synthetic one-block chunks until ``count`` are stored in all."""
+    from kvlab.store import Chunk, KVStore
+
+    store = KVStore(capacity_bytes=1 << 20, promote=False, **_store_settings(extra))
+    buffer = allocate("LBHNC", SCALE_GEOMETRY, 1)
+    sealed = Chunk([os.urandom(16).hex()], buffer, signature).seal()
+    for _ in range(max(0, count - filled)):
+        store.save(Chunk([os.urandom(16).hex()], buffer, signature, sealed.crc), memory=False)
+    return max(filled, count)
+
+
+def _store_settings(extra: dict) -> dict:
+    return {key: extra[key] for key in ("disk_path", "redis_url") if key in extra}
+
+
+def _time_lookups(extra: dict, prompt: list[int], repeats: int, fresh: int) -> dict:
+    from kvlab.store import KVStore
+    from kvlab.testing.driver import connector_pair, vllm_request
+
+    startup = []
+    for _ in range(3):
+        began = time.perf_counter()
+        KVStore(capacity_bytes=1 << 20, **_store_settings(extra))
+        startup.append(time.perf_counter() - began)
+    firsts = []
+    for i in range(fresh):  # a new engine's first lookup: every header read, the index filled
+        scheduler, _ = _engine(extra, connector_pair)
+        began = time.perf_counter()
+        hit, _ = scheduler.get_num_new_matched_tokens(vllm_request(f"first-{i}", prompt), 0)
+        firsts.append(time.perf_counter() - began)
+    expected = (len(prompt) - 1) // SCALE_GEOMETRY.block_size * SCALE_GEOMETRY.block_size
+    if hit != expected:
+        raise RuntimeError(f"the lookup found {hit} of the prompt's {expected} stored tokens")
+    again = []
+    for i in range(repeats + 5):  # the first five warm up
+        request = vllm_request(f"again-{i}", prompt)
+        began = time.perf_counter()
+        scheduler.get_num_new_matched_tokens(request, 0)
+        again.append(time.perf_counter() - began)
+        scheduler.request_finished(request, [])  # as vLLM ends it: its state goes
+    scheduler, _ = _engine(extra, connector_pair)
+    tracemalloc.start()  # what a first lookup keeps (the scheduler's memo, the tier's index), untimed
+    scheduler.get_num_new_matched_tokens(vllm_request("traced", prompt), 0)
+    kept = tracemalloc.get_traced_memory()[0] / 1024
+    tracemalloc.stop()
+    return {"startup_ms": 1e3 * statistics.median(startup), "first_lookup_ms": 1e3 * statistics.median(firsts),
+            "first_lookup_kib": kept, "lookup_ms": 1e3 * statistics.median(again[5:]),
+            "hit_tokens": hit}
+
+
+def lookup_memory(workdir: str | Path, chunks: int = 2000, chunk_blocks: int = 16) -> dict:
+    """What a scheduler's lookups keep per chunk, traced: the disk tier's index of a chunk
+    of ``chunk_blocks`` blocks (the checked-chunk memo holds one tuple of the same keys, no
+    more), and the bound its limits set: (INDEXED_CHUNKS + CHECKED_CHUNKS) chunks."""
+    from kvlab.connector.scheduler import CHECKED_CHUNKS
+    from kvlab.store import Chunk, KVStore
+    from kvlab.store.tiers.disk import INDEXED_CHUNKS
+
+    folder = Path(workdir) / "lookup-memory"
+    writer = KVStore(capacity_bytes=1 << 20, disk_path=folder, promote=False)
+    buffer = allocate("LBHNC", SCALE_GEOMETRY, chunk_blocks)
+    crc = Chunk(["0" * 32], buffer, "memory").seal().crc
+    written = [[os.urandom(16).hex() for _ in range(chunk_blocks)] for _ in range(chunks)]
+    for keys in written:
+        writer.save(Chunk(keys, buffer, "memory", crc), memory=False)
+    reader = KVStore(capacity_bytes=1 << 20, disk_path=folder, promote=False)
+    tracemalloc.start()
+    for keys in written:
+        reader.disk.locate_many(keys)
+    per_chunk = tracemalloc.get_traced_memory()[0] / min(chunks, INDEXED_CHUNKS)
+    tracemalloc.stop()
+    shutil.rmtree(folder, ignore_errors=True)
+    return {"chunk_blocks": chunk_blocks, "index_bytes_per_chunk": per_chunk, "indexed_chunks": INDEXED_CHUNKS,
+            "checked_chunks": CHECKED_CHUNKS, "bound_mib": per_chunk * (INDEXED_CHUNKS + CHECKED_CHUNKS) / 2**20}
+
+
+# ---- Redis: a load against the server's own pace ---------------------------------------------
+def redis_fetch_pace(redis_url: str, geometry: ModelGeometry, tokens: int = 2000, repeats: int = 15) -> dict:
+    """A worker's fetch of a ``tokens``-token prefix from Redis (a whole-step hit's load, not
+    counting the copy: :func:`overhead_profile` with the Redis tier alone; one GET per
+    chunk into memory of its own, the header and CRC32C checked, two chunks at a time)
+    against the server's own pace for the same ready values: the same GETs read into memory
+    and nothing else (``server_get_s``); redis-py's own GET beside them (``redis_py_get_s``,
+    its parser copies each value twice). Medians, and the ratio of the fetch to the pace."""
+    import redis
+
+    from kvlab.store.secrets import resolve_redis_url
+    from kvlab.store.tiers.resp import BulkReader
+
+    client = redis.Redis.from_url(resolve_redis_url(redis_url))
+    client.flushdb()
+    profile = {row["call"]: row for row in overhead_profile(geometry, tokens, repeats,
+                                                             extra={"tiers": ["redis"], "redis_url": redis_url})}
+    names = sorted(key.decode() for key in client.keys("kvlab:c:*"))  # the prompt's chunks, stored by the profile
+    raw = BulkReader(client.connection_pool.connection_kwargs, timeout_s=30)
+    ways = {"server_get_s": lambda: [raw.get(name) for name in names],
+            "redis_py_get_s": lambda: [client.get(name) for name in names]}
+    times: dict[str, list[float]] = {way: [] for way in ways}
+    for _ in range(repeats):
+        for way, fetch in ways.items():  # in turn: each sees the same machine
+            began = time.perf_counter()
+            if any(value is None for value in fetch()):
+                raise RuntimeError(f"a chunk did not come back from Redis ({way})")
+            times[way].append(time.perf_counter() - began)
+    raw.close()
+    medians = {way: statistics.median(seconds) for way, seconds in times.items()}
+    fetch_s = profile["start_load_kv without the copy"]["ms"] / 1e3
+    return {"prompt_tokens": tokens, "chunks": len(names), "kv_bytes": profile["total"]["kv_bytes"], **medians,
+            "worker_fetch_s": fetch_s, "copy_s": profile["copy"]["ms"] / 1e3, "ratio": fetch_s / medians["server_get_s"],
+            "server_gbps": profile["total"]["kv_bytes"] / medians["server_get_s"] / 1e9}

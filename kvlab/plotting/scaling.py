@@ -1,0 +1,100 @@
+"""Figures of notebook 03's "How the costs grow" (kvlab.experiments.scaling): a hit's
+overhead against prompt length beside the STREAM-style copy of its bytes, a lookup against
+the chunks a tier stores, and serving against concurrent requests."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import matplotlib.pyplot as plt
+
+from kvlab.plotting.common import (BLACK, BLUE, CYCLE, DEFAULT_WIDTH, GREY, PURPLE, VERMILLION, panels, paper_figure,
+                                   readable, unique_legend)
+from kvlab.plotting.common import title as figure_title
+
+PATH_STYLES = {"KVLab, memory": (BLUE, "o"), "KVLab, shm": (CYCLE[5], "s"), "KVLab, disk": (CYCLE[2], "^"),
+               "KVLab, redis": (VERMILLION, "D"), "ExampleConnector": (PURPLE, "v")}
+SERVER_STYLES = {"KVLabConnector": (BLUE, "o"), "KVLabConnector alone": (CYCLE[5], "s"),
+                 "vLLM prefix cache": (BLACK, "^"), "no cache": (GREY, "v")}
+
+
+@paper_figure
+def costs_by_length_figure(rows: Sequence[dict], title: str = "", width: str | float = DEFAULT_WIDTH) -> plt.Figure:
+    """Left: each reuse path's time to first token over its engine's own prefix hit against
+    prompt length, and the STREAM-style copy of the same bytes (the physical bound, dashed).
+    Right: that overhead over the bound."""
+    fig, (ax, ratio) = panels(2, width, 2.4)
+    rows = [r for r in rows if _number(r.get("overhead_s"))]  # a path that could not run a length says why in its row
+    for path in dict.fromkeys(r["path"] for r in rows):
+        colour, marker = PATH_STYLES.get(path, (GREY, "o"))
+        mine = sorted((r for r in rows if r["path"] == path), key=lambda r: r["prompt_tokens"])
+        ax.plot([r["prompt_tokens"] for r in mine], [1e3 * r["overhead_s"] for r in mine], marker=marker,
+                color=colour, label=path)
+        ratio.plot([r["prompt_tokens"] for r in mine], [r["bound_ratio"] for r in mine], marker=marker, color=colour,
+                   label=path)
+    bound = sorted({(r["prompt_tokens"], r["stream_s"]) for r in rows if _number(r.get("stream_s"))})
+    ax.plot([t for t, _ in bound], [1e3 * s for _, s in bound], ls="--", color=BLACK, label="STREAM copy (bound)")
+    ratio.axhline(1.5, ls=":", color=GREY, lw=0.8, label="target: 1.5x")
+    for axis in (ax, ratio):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("prompt tokens")
+    ax.set_yscale("log")
+    ax.set_ylabel("TTFT over the prefix-hit floor (ms)")
+    ratio.set_yscale("log")
+    ratio.set_ylabel("overhead / STREAM copy")
+    unique_legend(fig, [ax, ratio], loc="outside lower center", ncols=4)
+    figure_title(fig, readable(title, rows))
+    return fig
+
+
+@paper_figure
+def lookup_scaling_figure(rows: Sequence[dict], title: str = "", width: str | float = DEFAULT_WIDTH) -> plt.Figure:
+    """Left: a scheduler's lookup of one prompt against the chunks its tier stores, a new
+    engine's first (headers read) and a repeated one. Right: the disk tier's start-up."""
+    fig, (ax, start) = panels(2, width, 2.2)
+    for tier, colour in (("disk", CYCLE[2]), ("redis", VERMILLION)):
+        mine = sorted((r for r in rows if r["tier"] == tier), key=lambda r: r["stored_chunks"])
+        if not mine:
+            continue
+        stored = [r["stored_chunks"] for r in mine]
+        ax.plot(stored, [r["first_lookup_ms"] for r in mine], marker="o", ls="--", color=colour,
+                label=f"{tier}: a new engine's first")
+        ax.plot(stored, [r["lookup_ms"] for r in mine], marker="o", color=colour, label=f"{tier}: repeated")
+        start.plot(stored, [r["startup_ms"] for r in mine], marker="o", color=colour, label=tier)
+    ax.axhline(1.0, ls=":", color=GREY, lw=0.8, label="target: 1 ms")
+    for axis in (ax, start):
+        axis.set_xscale("log")
+        axis.set_yscale("log")
+        axis.set_xlabel("chunks stored")
+    ax.set_ylabel(f"lookup of a {rows[0]['prompt_tokens']}-token prompt (ms)")
+    start.set_ylabel("tier start-up (ms)")
+    unique_legend(fig, [ax, start], loc="outside lower center", ncols=3)
+    figure_title(fig, readable(title, rows))
+    return fig
+
+
+@paper_figure
+def concurrency_figure(rows: Sequence[dict], title: str = "", width: str | float = DEFAULT_WIDTH) -> plt.Figure:
+    """Throughput and p99 time to first token against concurrent requests, per server."""
+    fig, (ax, tail) = panels(2, width, 2.2)
+    for server in dict.fromkeys(r["server"] for r in rows):
+        colour, marker = SERVER_STYLES.get(server, (GREY, "o"))
+        mine = sorted((r for r in rows if r["server"] == server), key=lambda r: r["concurrency"])
+        levels = [r["concurrency"] for r in mine]
+        ax.plot(levels, [r["throughput_rps"] for r in mine], marker=marker, color=colour, label=server)
+        tail.plot(levels, [r["ttft_p99_s"] for r in mine], marker=marker, color=colour, label=server)
+        tail.plot(levels, [r["ttft_p50_s"] for r in mine], marker=marker, color=colour, ls=":", alpha=0.6)
+    for axis in (ax, tail):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("concurrent requests")
+    ax.set_ylabel("requests per second")
+    tail.set_yscale("log")
+    tail.set_ylabel("TTFT p99 (solid), p50 (dotted), s")
+    unique_legend(fig, [ax, tail], loc="outside lower center", ncols=4)
+    figure_title(fig, readable(title, rows))
+    return fig
+
+
+def _number(value: object) -> bool:
+    """A measured value: not None, and not NaN (what a missing one becomes in a DataFrame)."""
+    return value is not None and value == value
