@@ -37,8 +37,10 @@ def overhead_profile(geometry: ModelGeometry, tokens: int = 2000, repeats: int =
     ``repeats``; then the copy, the rest of the load, the total, and the STREAM-style copy
     of the loaded bytes (the bound). ``extra``: the connector's settings (memory alone by
     default; e.g. ``{"tiers": ["disk"], "disk_path": ...}``)."""
+    from kvlab.connector import reset_stores
     from kvlab.testing.driver import connector_pair, prefill, register, settle
 
+    reset_stores()  # a store of an earlier run in this process (another Redis server) is not this one's
     blocks = tokens // geometry.block_size + 1
     extra = {"tiers": ["memory"], **(extra or {}), "method": method}
     scheduler, worker = connector_pair(geometry, 2 * blocks + 2, extra)

@@ -30,12 +30,13 @@ EXAMPLE_MAX_TOKENS = 4096  # vLLM's CPU engine computes at most this many tokens
 
 # ---- time to first token against prompt length ---------------------------------------------
 def costs_by_length(model: str, prompts: list[list[int]], workdir: str | Path, redis_url: str,
-                    dtype: str = "bfloat16", block_size: int = 32, repeats: int = 3) -> list[dict]:
+                    dtype: str = "bfloat16", block_size: int = 32, repeats: int = 9) -> list[dict]:
     """One row per prompt (one length each) and reuse path: KVLabConnector from memory, shm,
     disk and Redis and vLLM's ExampleConnector, each warm first token against the same
     engine's own prefix hit (the floor) right after it, repeated; ``overhead_s`` their
-    median difference. One KVLab engine computes the prompts and writes them through every
-    tier; one engine per shared tier then reads them from that tier alone. ``stream_s`` is
+    median difference. The memory engine holds its own tier alone (no shared tier to look
+    up); another KVLab engine computes the prompts and writes them through every shared tier,
+    and one engine per shared tier then reads them from that tier alone. ``stream_s`` is
     kvlab's STREAM-style copy of the loaded bytes in this process (:func:`with_stream_bound`)."""
     from kvlab.runtime.models import geometry_of
 
@@ -49,10 +50,12 @@ def costs_by_length(model: str, prompts: list[list[int]], workdir: str | Path, r
     common = {"model": model, "dtype": dtype, "block_size": block_size, "prefix_caching": True,
               "max_model_len": max(map(len, prompts)) + 1}
     pairs = ("warm", "floor") * repeats
-    every = {"tiers": ["memory", *SHARED_TIERS], **where["shm"], **where["disk"], **where["redis"],
+    every = {"tiers": list(SHARED_TIERS), **where["shm"], **where["disk"], **where["redis"],
              "shm_bytes": 2 << 30, "disk_bytes": 4 << 30}
     plans = [("vLLM prefix cache", EngineSpec(**common, phases=("cold",))),
-             ("KVLab, memory", EngineSpec(**common, connector="kvlab", extra=every, phases=("cold", *pairs)))]
+             ("KVLab, memory", EngineSpec(**common, connector="kvlab", extra={"tiers": ["memory"]},
+                                          phases=("cold", *pairs))),
+             ("KVLab, writes the shared tiers", EngineSpec(**common, connector="kvlab", extra=every, phases=("cold",)))]
     plans += [(f"KVLab, {tier}", EngineSpec(**common, connector="kvlab", phases=pairs,
                                             extra={"tiers": [tier], **where[tier]})) for tier in SHARED_TIERS]
     # vLLM's ExampleConnector stores a prompt in the step that computes it: a prompt that

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import matplotlib.pyplot as plt
+import matplotlib.ticker
 
 from kvlab.plotting.common import (BLACK, BLUE, CYCLE, DEFAULT_WIDTH, GREY, PURPLE, VERMILLION, panels, paper_figure,
                                    readable, unique_legend)
@@ -35,16 +36,11 @@ def costs_by_length_figure(rows: Sequence[dict], title: str = "", width: str | f
     bound = sorted({(r["prompt_tokens"], r["stream_s"]) for r in rows if _number(r.get("stream_s"))})
     ax.plot([t for t, _ in bound], [1e3 * s for _, s in bound], ls="--", color=BLACK, label="STREAM copy (bound)")
     ratio.axhline(1.5, ls=":", color=GREY, lw=0.8, label="target: 1.5x")
-    for axis in (ax, ratio):
-        axis.set_xscale("log", base=2)
-        axis.set_xlabel("prompt tokens")
     ax.set_yscale("log")
-    ax.set_ylabel("TTFT over the prefix-hit floor (ms)")
+    ax.set_ylabel("TTFT over floor (ms)")
     ratio.set_yscale("log")
     ratio.set_ylabel("overhead / STREAM copy")
-    unique_legend(fig, [ax, ratio], loc="outside lower center", ncols=4)
-    figure_title(fig, readable(title, rows))
-    return fig
+    return _finish(fig, "prompt tokens", 2, 4, title, rows)
 
 
 @paper_figure
@@ -62,15 +58,11 @@ def lookup_scaling_figure(rows: Sequence[dict], title: str = "", width: str | fl
         ax.plot(stored, [r["lookup_ms"] for r in mine], marker="o", color=colour, label=f"{tier}: repeated")
         start.plot(stored, [r["startup_ms"] for r in mine], marker="o", color=colour, label=tier)
     ax.axhline(1.0, ls=":", color=GREY, lw=0.8, label="target: 1 ms")
-    for axis in (ax, start):
-        axis.set_xscale("log")
-        axis.set_yscale("log")
-        axis.set_xlabel("chunks stored")
-    ax.set_ylabel(f"lookup of a {rows[0]['prompt_tokens']}-token prompt (ms)")
+    ax.set_yscale("log")
+    ax.set_ylabel(f"lookup (ms), {rows[0]['prompt_tokens']} tok.")
+    start.set_yscale("log")
     start.set_ylabel("tier start-up (ms)")
-    unique_legend(fig, [ax, start], loc="outside lower center", ncols=3)
-    figure_title(fig, readable(title, rows))
-    return fig
+    return _finish(fig, "chunks stored", 10, 3, title, rows)
 
 
 @paper_figure
@@ -84,13 +76,26 @@ def concurrency_figure(rows: Sequence[dict], title: str = "", width: str | float
         ax.plot(levels, [r["throughput_rps"] for r in mine], marker=marker, color=colour, label=server)
         tail.plot(levels, [r["ttft_p99_s"] for r in mine], marker=marker, color=colour, label=server)
         tail.plot(levels, [r["ttft_p50_s"] for r in mine], marker=marker, color=colour, ls=":", alpha=0.6)
-    for axis in (ax, tail):
-        axis.set_xscale("log", base=2)
-        axis.set_xlabel("concurrent requests")
     ax.set_ylabel("requests per second")
     tail.set_yscale("log")
-    tail.set_ylabel("TTFT p99 (solid), p50 (dotted), s")
-    unique_legend(fig, [ax, tail], loc="outside lower center", ncols=4)
+    tail.plot([], [], ls=":", color=GREY, label="p50 (dotted; p99 solid)")
+    tail.set_ylabel("TTFT (s)")
+    return _finish(fig, "concurrent requests", 2, 4, title, rows)
+
+
+def _finish(fig: plt.Figure, xlabel: str, base: int, columns: int, title: str, rows: Sequence[dict]) -> plt.Figure:
+    """Both panels on a log ``xlabel`` axis, one legend under them (``columns`` wide, two in
+    a single column), the title."""
+    for axis in fig.axes:
+        axis.set_xscale("log", base=base)
+        axis.set_xlabel(xlabel)
+        axis.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:,.0f}"))
+        if axis.get_yscale() == "log":  # plain numbers at 1, 2 and 5 of each decade where few decades show
+            low, high = axis.get_ylim()
+            axis.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1, 2, 5) if high <= 100 * low else (1,)))
+            axis.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
+            axis.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    unique_legend(fig, loc="outside lower center", ncols=columns if fig.get_figwidth() >= 5 else 2)
     figure_title(fig, readable(title, rows))
     return fig
 

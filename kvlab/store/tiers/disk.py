@@ -26,7 +26,7 @@ from kvlab.store.tiers.stats import StoreStats
 
 # Chunks whose block keys a disk tier keeps in memory, most recently used: the others are
 # found by their file when a lookup names them, so memory stays bounded however many are stored.
-INDEXED_CHUNKS = 65536
+INDEXED_CHUNKS = 8192
 # Seconds after which the bytes the folder holds are counted again (other processes write to
 # it too): between counts a tier adds what it wrote itself.
 RECOUNT_S = 10.0
