@@ -3,7 +3,7 @@
 It keys each prompt's full blocks (kvlab.connector.keys), finds how many leading blocks
 some tier holds for every worker (the workers' memory through kvlab.connector.index; the
 shared tiers, shared memory, disk and Redis, by looking them up itself and checking each
-chunk once), and each step sends the workers only keys, block ids and positions: what to
+chunk's header once: the payload crosses to the worker alone, which checks it), and each step sends the workers only keys, block ids and positions: what to
 load, what to save, what to drop. The workers report what they stored
 (``KVLabWorkerMeta``) and when a finished request's saves are done (``get_finished``),
 which is when vLLM frees its blocks. Imports vLLM only for types."""
