@@ -40,9 +40,10 @@ def small_disk(tmp_path: Path):
 
 def test_a_full_then_read_only_disk_never_fails_a_request(smollm2, prompts, small_disk: Path) -> None:
     """The disk fills up (ENOSPC): it evicts and requests go on. Then every chunk file is
-    damaged and the folder turns read-only (EROFS): lookups miss, the files cannot be
-    removed, no save can be written, and a new engine still serves every request, the
-    same tokens as before, from its memory tier on the repeat."""
+    damaged and the folder turns read-only (EROFS): every load of a damaged chunk fails its
+    checksum and is recomputed, the files cannot be removed, no save can be written, and a
+    new engine still serves every request, the same tokens as before, from its memory tier
+    on the repeat."""
     extra = {"store": "disk", "disk_path": str(small_disk), "chunk_size": 2 * BLOCK}
     spec = EngineSpec(smollm2, "kvlab", extra, dtype="float32", max_tokens=8, prefix_caching=True, phases=CONTROLLED)
     full = run_engine(spec, prompts)
@@ -60,8 +61,12 @@ def test_a_full_then_read_only_disk_never_fails_a_request(smollm2, prompts, smal
         path.write_bytes(bytes(data))
     subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
     broken = run_engine(spec, prompts)
-    store = broken["connector"]["default"]["store"]
-    assert hits(broken, "cold") == [0, 0], "nothing damaged is loaded"
+    connector = broken["connector"]["default"]
+    store = connector["store"]
+    # a damaged chunk's header is intact: one still on disk is promised, fails its checksum at
+    # the load and is recomputed (vLLM still reports the promised tokens as cached)
+    promised = [hit for hit in hits(broken, "cold") if hit]
+    assert connector["load_errors"] >= len(promised), "nothing damaged is loaded"
     assert hits(broken, "warm") == loadable(prompts), "the memory tier still serves"
     assert store["corrupt"] >= 1 and store["delete_errors"] == store["corrupt"] and store["write_errors"] >= 1
     assert bitwise(full, broken, "cold", "cold"), "recomputed whole, as the first engine's cold run"
