@@ -40,6 +40,9 @@ def overhead_profile(geometry: ModelGeometry, tokens: int = 2000, repeats: int =
     from kvlab.connector import reset_stores
     from kvlab.testing.driver import connector_pair, prefill, register, settle
 
+    if tokens < 2 * geometry.block_size or repeats < 1:
+        raise ValueError(f"need at least two blocks of tokens ({2 * geometry.block_size}) and one repeat, "
+                         f"got {tokens} tokens and {repeats}")
     reset_stores()  # a store of an earlier run in this process (another Redis server) is not this one's
     blocks = tokens // geometry.block_size + 1
     extra = {"tiers": ["memory"], **(extra or {}), "method": method}

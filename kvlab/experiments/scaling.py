@@ -41,6 +41,8 @@ def costs_by_length(model: str, prompts: list[list[int]], workdir: str | Path, r
     from kvlab.runtime.models import geometry_of
 
     check_inputs(model, prompts)
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
     if len({len(p) for p in prompts}) != len(prompts):
         raise ValueError("one prompt per length: prompts of one length would be averaged together")
     token_bytes = geometry_of(model, dtype=dtype, block_size=block_size).token_bytes
@@ -52,7 +54,7 @@ def costs_by_length(model: str, prompts: list[list[int]], workdir: str | Path, r
     pairs = ("warm", "floor") * repeats
     every = {"tiers": list(SHARED_TIERS), **where["shm"], **where["disk"], **where["redis"],
              "shm_bytes": 2 << 30, "disk_bytes": 4 << 30}
-    plans = [("vLLM prefix cache", EngineSpec(**common, phases=("cold",))),
+    plans = [("vLLM prefix cache", EngineSpec(**common, phases=("cold", "floor"))),
              ("KVLab, memory", EngineSpec(**common, connector="kvlab", extra={"tiers": ["memory"]},
                                           phases=("cold", *pairs))),
              ("KVLab, writes the shared tiers", EngineSpec(**common, connector="kvlab", extra=every, phases=("cold",)))]
@@ -86,12 +88,17 @@ def costs_by_length(model: str, prompts: list[list[int]], workdir: str | Path, r
             warm = [r["seconds"] for r in mine["phases"]["warm"]]
             floor = [r["seconds"] for r in mine["phases"]["floor"]]
             cached = statistics.median(r["cached_tokens"] for r in mine["phases"]["warm"])
-            reference = {"phases": {"cold": [{**r, "prompt": 0} for r in results["vLLM prefix cache"]["phases"]["cold"]
-                                             if r["prompt_tokens"] == length]}}
+            # the same-split control: vLLM's own prefix hit on the cold run's KV (bitwise), and
+            # the cold run, which splits the prefill otherwise (within SPLIT_DRIFT)
+            reference = {"phases": {phase: [{**r, "prompt": 0} for r in results["vLLM prefix cache"]["phases"][phase]
+                                            if r["prompt_tokens"] == length] for phase in ("cold", "floor")}}
+            control = same_outputs(reference, mine, "floor", "warm")
             rows.append({**label, "warm_s": statistics.median(warm), "floor_s": statistics.median(floor),
                          "overhead_s": statistics.median(w - f for w, f in zip(warm, floor)),
                          "cached_tokens": cached, "kv_bytes": int(cached * token_bytes), "samples": len(warm),
-                         **same_outputs(reference, mine, "cold", "warm")})
+                         "identical_to_control": control["identical"], "logprob_diff_vs_control": control["max_logprob_diff"],
+                         "gap_vs_recompute": same_outputs(reference, mine, "cold", "warm")["max_gap_through_divergence"],
+                         "prompts": control["prompts"]})
     return with_stream_bound(rows)
 
 
@@ -139,6 +146,9 @@ def concurrency_sweep(model: str, ids: list[int], levels: tuple[int, ...] = CONC
     first sees every prefix once. One row per server and level: throughput and p50/p99."""
     from kvlab.runtime.servers import VLLMServer
 
+    if not levels or any(not isinstance(c, int) or c < 1 for c in levels) or min(prefixes, prefix_tokens, suffix_tokens) < 1:
+        raise ValueError(f"levels must be positive request counts and the prefixes and suffixes non-empty, got "
+                         f"{levels}, {prefixes} x {prefix_tokens} + {suffix_tokens}")
     span = prefixes * prefix_tokens
     requests = sum(max(8, 2 * c) for c in levels)
     if span + requests + suffix_tokens > len(ids):
