@@ -220,3 +220,42 @@ def redis_server(tmp_path: Path):
 
     with RedisServer(log_path=tmp_path / "redis.log", maxmemory_mb=256) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def mooncake_store(tmp_path_factory: pytest.TempPathFactory):
+    """A real Mooncake Store (its master and one 256 MiB segment, kvlab.runtime.mooncake),
+    shared by every test of a pytest worker that does not kill it: each test keeps to keys
+    of its own. Not a skip when the wheel is missing: scripts/setup-env installs it."""
+    from kvlab.runtime.mooncake import MooncakeStore
+
+    with MooncakeStore(segment_mb=256, log_dir=tmp_path_factory.mktemp("mooncake")) as store:
+        yield store
+
+
+@pytest.fixture
+def own_mooncake_store(tmp_path: Path):
+    """A Mooncake Store of the test's own (one it kills, or fills): 32 MiB."""
+    from kvlab.runtime.mooncake import MooncakeStore
+
+    with MooncakeStore(segment_mb=32, log_dir=tmp_path) as store:
+        yield store
+
+
+@pytest.fixture(scope="session")
+def _redis_cluster_session(tmp_path_factory: pytest.TempPathFactory):
+    from kvlab.runtime.redis_cluster import RedisCluster
+
+    with RedisCluster(nodes=3, maxmemory_mb=128, log_dir=tmp_path_factory.mktemp("redis-cluster")) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def redis_cluster(_redis_cluster_session):
+    """A real 3-node Redis Cluster on loopback (kvlab.runtime.redis_cluster), shared by the
+    tests of a pytest worker: each test starts with every node running and empty."""
+    cluster = _redis_cluster_session
+    for index in set(range(cluster.nodes)) - set(cluster.running()):
+        cluster.revive_node(index)
+    cluster.flush()
+    yield cluster

@@ -459,6 +459,22 @@ def test_readme_ttft_table():
             assert (floor, overhead, vs_plain) == shown, row["scenario"]
 
 
+def test_readme_beyond_one_machine_table():
+    """Notebook 03's prefix through Mooncake Store and a Redis Cluster, row by row as printed."""
+    rows = {(r["store"], r["layout"], r["strategy"]): r for r in committed("03_beyond-*.jsonl")
+            if r["kind"] == "prefix"}
+    table = readme_table("| store | layout | strategy | objects / descriptors per chunk |")
+    assert table
+    for store, layout, strategy, shape, stored, fetched, pace in table:
+        row = rows[(store, layout, strategy)]
+        assert row["identical"]
+        descriptors = row.get("descriptors_per_chunk")
+        descriptors = row["objects_per_chunk"] if descriptors is None or descriptors != descriptors else descriptors
+        assert shape == f"{row['objects_per_chunk']:g} / {descriptors:g}", (store, layout, strategy)
+        assert (stored, fetched) == (f"{1e3 * row['store_s']:.1f}", f"{1e3 * row['fetch_s']:.1f}")
+        assert pace == f"{1e3 * row['ceiling_store_s']:.1f} / {1e3 * row['ceiling_fetch_s']:.1f}"
+
+
 def test_readme_connectors_table():
     """Notebook 04's side by side: TTFT, retrieve and store cost per connector."""
     from kvlab.experiments.ttft import connector_costs

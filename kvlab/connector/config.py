@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvlab.store.secrets import read_auth_key, redact, resolve_redis_url
+from kvlab.store.secrets import is_cluster_url, read_auth_key, redact, resolve_redis_url
 from kvlab.store.tiers import shared_tier_names, tier_names
+from kvlab.store.tiers.mooncake import parse_mooncake_url
 from kvlab.transfer.registry import METHODS
 
 CROSS_LAYER_LAYOUT = "BLHNC"
@@ -30,13 +31,17 @@ BUDGETS = {"memory": "store_bytes", "shm": "shm_bytes", "disk": "disk_bytes"}
 def _check_redis_url(url: str) -> None:
     """Raise ValueError naming redis_url (its password redacted) unless redis-py can use it and
     the password file or variable it names holds a password."""
-    if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ValueError(f"KVLabConnector: redis_url must start with redis://, rediss:// or unix://, "
-                         f"got {redact(url)!r}")
+    if not url.startswith(("redis://", "rediss://", "unix://", "redis-cluster://")):
+        raise ValueError(f"KVLabConnector: redis_url must start with redis://, rediss://, unix:// or "
+                         f"redis-cluster://, got {redact(url)!r}")
+    parts = urlsplit(url)
     try:
-        urlsplit(url).port
+        parts.port
     except ValueError:
         raise ValueError(f"KVLabConnector: redis_url's port must be a number, got {redact(url)!r}") from None
+    if is_cluster_url(url) and (not parts.hostname or parts.path.strip("/") not in ("", "0")):
+        raise ValueError(f"KVLabConnector: redis_url redis-cluster://host:port names one node of the cluster and "
+                         f"no database (a cluster has only database 0), got {redact(url)!r}")
     try:
         resolve_redis_url(url)
     except ValueError as error:
@@ -74,8 +79,14 @@ class ConnectorConfig:
     shm_path: str | None = None  # default /dev/shm/kvlab-<store_name>
     # e.g. redis://127.0.0.1:6379/0; a password by name, kept out of vLLM's logs of its arguments:
     # redis://127.0.0.1:6379/0?password_file=/path/file (its first line) or ?password_env=VARIABLE
-    # (kvlab.store.secrets); redis://:password@127.0.0.1:6379/0 works too, but vLLM logs it
+    # (kvlab.store.secrets); redis://:password@127.0.0.1:6379/0 works too, but vLLM logs it;
+    # redis-cluster://127.0.0.1:7000?password_file=... : a Redis Cluster, by any one of its nodes
     redis_url: str | None = None
+    # mooncake://host:port?metadata_port=P: a Mooncake Store's master and its HTTP metadata server
+    # (kvlab.runtime.mooncake starts one); each worker lends it mooncake_segment_bytes of memory (0:
+    # the store's own segment processes hold everything)
+    mooncake_url: str | None = None
+    mooncake_segment_bytes: int = 0
     store_bytes: int = 2 << 30  # each worker's memory budget; least recently used chunks go first
     disk_bytes: int = 16 << 30
     shm_bytes: int = 4 << 30
@@ -108,7 +119,11 @@ class ConnectorConfig:
             value = extra[name]
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"KVLabConnector: {name} must be a positive integer, got {value!r}")
-        for name in ("disk_path", "shm_path", "redis_url", "store_name", "store", "method", "verify", "auth_key"):
+        if "mooncake_segment_bytes" in extra:
+            value = extra["mooncake_segment_bytes"]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"KVLabConnector: mooncake_segment_bytes must be a non-negative integer, got {value!r}")
+        for name in ("disk_path", "shm_path", "redis_url", "mooncake_url", "store_name", "store", "method", "verify", "auth_key"):
             if name in extra and (not isinstance(extra[name], str) or not extra[name]):
                 raise ValueError(f"KVLabConnector: {name} must be a non-empty string, got {extra[name]!r}")
         for name in ("disk_path", "shm_path"):  # every vLLM process must mean the same folder
@@ -145,11 +160,19 @@ class ConnectorConfig:
             raise ValueError("KVLabConnector: disk_path is only used with the disk tier (store 'disk')")
         if "redis" in tiers and not config.redis_url:
             raise ValueError("KVLabConnector: the redis tier needs redis_url (e.g. redis://127.0.0.1:6379/0)")
-        for key, tier in (("redis_url", "redis"), ("shm_path", "shm")):
+        if "mooncake" in tiers and not config.mooncake_url:
+            raise ValueError("KVLabConnector: the mooncake tier needs mooncake_url "
+                             "(mooncake://127.0.0.1:50051?metadata_port=8080)")
+        for key, tier in (("redis_url", "redis"), ("shm_path", "shm"), ("mooncake_url", "mooncake")):
             if getattr(config, key) and tier not in tiers:
                 raise ValueError(f"KVLabConnector: {key} is only used with the {tier} tier; tiers are {list(tiers)}")
         if config.redis_url:
             _check_redis_url(config.redis_url)
+        if config.mooncake_url:
+            try:
+                parse_mooncake_url(config.mooncake_url)
+            except ValueError as error:
+                raise ValueError(f"KVLabConnector: {error}") from None
         for tier, key in BUDGETS.items():  # an absurd budget given by hand; the defaults adapt (ENOSPC)
             room = _room(tier, config) if key in extra and tier in tiers else None
             if room and getattr(config, key) > room[0]:
@@ -209,4 +232,6 @@ class ConnectorConfig:
         return {"disk_path": self.disk_path if "disk" in tiers else None, "disk_capacity_bytes": self.disk_bytes,
                 "shm_path": self.shm_folder if "shm" in tiers else None, "shm_capacity_bytes": self.shm_bytes,
                 "redis_url": self.redis_url if "redis" in tiers else None, "verify": self.verify,
+                "mooncake_url": self.mooncake_url if "mooncake" in tiers else None,
+                "mooncake_segment_bytes": self.mooncake_segment_bytes,
                 "auth_key": read_auth_key(self.auth_key) if self.auth_key else None}

@@ -5,7 +5,11 @@ header and checksum), per cache layout. A per-layer cache (LBHNC) has a run per 
 block; a cross-layer one (BLHNC) a run per block, or per run of adjacent blocks.
 
 Every strategy is timed against the same server moving the same bytes as one value per
-chunk from memory that is already contiguous (the ceiling: the server and its socket)."""
+chunk from memory that is already contiguous (the ceiling: the server and its socket).
+
+On a Redis Cluster (a ``redis-cluster://`` URL) a chunk's per-run objects are hash-tagged by
+the chunk, so they live on one node and go in one pipelined round trip; what one prefix
+touches is counted in nodes."""
 
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from kvlab.cache.geometry import ModelGeometry
 from kvlab.runtime.progress import progress
 from kvlab.store.chunk import Chunk
 from kvlab.store.keys import signature
-from kvlab.store.secrets import resolve_redis_url
+from kvlab.store.secrets import is_cluster_url, resolve_redis_url
 from kvlab.store.tiers import RedisTier, StoreStats
 from kvlab.transfer.engine import Transfer, host_buffer
 from kvlab.transfer.plan import copy_plan
@@ -62,7 +66,7 @@ class _PerRun:
         for c, runs in enumerate(self.runs):
             pipe = self.client.pipeline(transaction=False)
             for r, (tensor, offset, length) in enumerate(runs):
-                pipe.set(f"{PREFIX}{c}:{r}", memoryview(self.flat[tensor][offset:offset + length].numpy()))
+                pipe.set(f"{PREFIX}{{{c}}}:{r}", memoryview(self.flat[tensor][offset:offset + length].numpy()))
             pipe.execute()
             self.round_trips += 1
 
@@ -70,7 +74,7 @@ class _PerRun:
         for c, runs in enumerate(self.runs):
             pipe = self.client.pipeline(transaction=False)
             for r in range(len(runs)):
-                pipe.get(f"{PREFIX}{c}:{r}")
+                pipe.get(f"{PREFIX}{{{c}}}:{r}")
             values = pipe.execute()
             self.round_trips += 1
             for (tensor, offset, length), value in zip(runs, values):
@@ -166,20 +170,38 @@ def _median(fn: Callable[[], None], repeats: int) -> float:
     return statistics.median(times)
 
 
+def _client(url: str) -> Any:
+    """A redis-py client of the server, or of the cluster, at ``url``."""
+    import redis
+
+    from kvlab.store.tiers.redis_cluster import cluster_client
+
+    client = cluster_client(url, 30) if is_cluster_url(url) else redis.Redis.from_url(resolve_redis_url(url),
+                                                                                      socket_timeout=30)
+    client.ping()
+    return client
+
+
+def _nodes(client: Any) -> list[Any]:
+    """Each node's own client (a single server: itself)."""
+    if hasattr(client, "get_primaries"):
+        return [client.get_redis_connection(node) for node in client.get_primaries()]
+    return [client]
+
+
 def redis_prefix_costs(url: str, geometry: ModelGeometry, layouts: Sequence[str] = ("LBHNC", "BLHNC"),
                        tokens: int = 2048, chunk_tokens: int = 256, repeats: int = 5, seed: int = 0) -> list[dict]:
     """Store and fetch a ``tokens``-token prefix of random KV through the Redis server at
     ``url`` with each strategy, per layout: objects and round trips per chunk, median
     seconds over ``repeats``, the ceiling measured between them, and whether every fetched
     byte equals what was stored. The blocks are scattered in the cache (as vLLM's
-    allocator leaves them after a while), so no two are adjacent."""
-    import redis
-
+    allocator leaves them after a while), so no two are adjacent. On a Redis Cluster, also
+    how many of its nodes the prefix's objects landed on."""
     if tokens % chunk_tokens or chunk_tokens % geometry.block_size:
         raise ValueError(f"tokens ({tokens}) must be whole chunks of chunk_tokens ({chunk_tokens}), "
                          f"and a chunk whole blocks of {geometry.block_size}")
-    client = redis.Redis.from_url(resolve_redis_url(url), socket_timeout=30)
-    client.ping()
+    client = _client(url)
+    nodes = _nodes(client)
     blocks = tokens // geometry.block_size
     per_chunk = chunk_tokens // geometry.block_size
     generator = torch.Generator().manual_seed(seed)
@@ -200,12 +222,16 @@ def redis_prefix_costs(url: str, geometry: ModelGeometry, layouts: Sequence[str]
                    "kvlab Redis tier": lambda: _Tier(url, cache, chunks)}[strategy]()
             client.flushdb()
             store_s, ceiling_store_s = _median(way.store, repeats), _median(ceiling.store, repeats)
-            objects = client.dbsize() - len(chunks)  # less the ceiling's values
+            held = [sum(not key.startswith(f"{PREFIX}ceiling:".encode()) for key in  # the ceiling's apart
+                        node.scan_iter(match=f"{PREFIX}*", count=1000)) for node in nodes]
+            objects = sum(held)
             trips = way.round_trips
             Transfer(host_buffer(cache, len(block_ids)), range(len(block_ids)), cache, block_ids).run()  # zeros
             fetch_s, ceiling_fetch_s = _median(way.fetch, repeats), _median(ceiling.fetch, repeats)
             rows.append({
-                "layout": layout, "cross_layer": cache.layout.is_cross_layer, "strategy": strategy,
+                "store": "redis cluster" if len(nodes) > 1 else "redis", "nodes": len(nodes),
+                "nodes_touched": sum(count > 0 for count in held), "layout": layout,
+                "cross_layer": cache.layout.is_cross_layer, "strategy": strategy,
                 "tokens": tokens, "chunk_tokens": chunk_tokens, "chunks": len(chunks), "bytes": sum(chunk_bytes),
                 "objects_per_chunk": objects / len(chunks), "planned_objects_per_chunk": way.objects_per_chunk(),
                 "store_round_trips_per_chunk": trips / repeats / len(chunks),

@@ -20,7 +20,12 @@ from kvlab.plotting.connector import (
     registration_figure,
     ttft_figure,
 )
-from kvlab.plotting.scaling import concurrency_figure, costs_by_length_figure, lookup_scaling_figure
+from kvlab.plotting.scaling import (
+    concurrency_figure,
+    costs_by_length_figure,
+    lookup_scaling_figure,
+    scale_prediction_figure,
+)
 from kvlab.plotting.segment_figures import segment_scaling, segments_by_layout
 from kvlab.plotting.transfer import (
     bandwidth_vs_tokens,
@@ -36,5 +41,5 @@ __all__ = [
     "segments_by_layout", "atlas", "transfer_ratios", "bandwidth_vs_tokens", "cost_model_figure",
     "break_even_figure", "layerwise_figure", "hardware_figure", "hooks_timeline", "ttft_figure",
     "registration_figure", "engine_layouts_figure", "deployed_figure", "network_tier_figure", "roundtrip_figure", "accuracy_figure", "comparison_figure",
-    "costs_by_length_figure", "lookup_scaling_figure", "concurrency_figure",
+    "costs_by_length_figure", "lookup_scaling_figure", "concurrency_figure", "scale_prediction_figure",
 ]

@@ -122,9 +122,10 @@ def deployed_figure(serving: Sequence[dict], title: str = "", width: str | float
 
 @paper_figure
 def network_tier_figure(rows: Sequence[dict], title: str = "", width: str | float = DEFAULT_WIDTH) -> plt.Figure:
-    """A prefix through a Redis server, per layout and strategy: objects per chunk, and the
-    store and fetch times against the server's own ceiling (the same bytes as one ready
-    value per chunk, dashed). ``rows`` are kvlab.experiments.network.redis_prefix_costs rows."""
+    """A prefix through a network store, per layout and strategy: objects per chunk, and the
+    store and fetch times against the store's own ceiling (the same bytes as one ready
+    value per chunk, dashed). ``rows`` are kvlab.experiments.network.redis_prefix_costs rows
+    (a Redis server or cluster) or kvlab.experiments.mooncake_costs.mooncake_prefix_costs rows."""
     rows = list(rows)
     fig, axes = panels(3, width, 0.9 + 0.3 * max(len(rows), 1), sharey=True)
     labels = [f"{r['layout']}: {r['strategy']}" for r in rows]
@@ -133,7 +134,7 @@ def network_tier_figure(rows: Sequence[dict], title: str = "", width: str | floa
                for r in rows]
     objects = [r["objects_per_chunk"] for r in rows]
     dots(axes[0], range(len(rows)), objects, colours, [f"{v:,.0f}" for v in objects])
-    axes[0].set_xlabel("Redis objects per chunk (log)")
+    axes[0].set_xlabel(f"{rows[0].get('store', 'redis').capitalize() if rows else ''} objects per chunk (log)")
     for ax, key, ceiling, xlabel in ((axes[1], "store_s", "ceiling_store_s", "store the prefix (ms)"),
                                      (axes[2], "fetch_s", "ceiling_fetch_s", "fetch the prefix (ms)")):
         values = [1e3 * r[key] for r in rows]

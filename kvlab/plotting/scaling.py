@@ -1,6 +1,7 @@
 """Figures of notebook 03's "How the costs grow" (kvlab.experiments.scaling): a hit's
 overhead against prompt length beside the STREAM-style copy of its bytes, a lookup against
-the chunks a tier stores, and serving against concurrent requests."""
+the chunks a tier stores, serving against concurrent requests, and a store's measured
+per-object and per-byte costs scaled to many hosts (kvlab.experiments.scale_model)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from typing import Sequence
 import matplotlib.pyplot as plt
 import matplotlib.ticker
 
-from kvlab.plotting.common import (BLACK, BLUE, CYCLE, DEFAULT_WIDTH, GREY, PURPLE, VERMILLION, panels, paper_figure,
-                                   readable, unique_legend)
+from kvlab.plotting.common import (BLACK, BLUE, CROSS_LAYER, CYCLE, DEFAULT_WIDTH, GREY, PER_LAYER, PURPLE, VERMILLION,
+                                   panels, paper_figure, readable, unique_legend)
 from kvlab.plotting.common import title as figure_title
 
 PATH_STYLES = {"KVLab, memory": (BLUE, "o"), "KVLab, shm": (CYCLE[5], "s"), "KVLab, disk": (CYCLE[2], "^"),
@@ -81,6 +82,50 @@ def concurrency_figure(rows: Sequence[dict], title: str = "", width: str | float
     tail.plot([], [], ls=":", color=GREY, label="p50 (dotted; p99 solid)")
     tail.set_ylabel("TTFT (s)")
     return _finish(fig, "concurrent requests", 2, 4, title, rows)
+
+
+@paper_figure
+def scale_prediction_figure(predictions: Sequence[dict], calibration: Sequence[dict], title: str = "",
+                            width: str | float = DEFAULT_WIDTH) -> plt.Figure:
+    """Left: the cost model's time for every host to fetch its prefixes at once against the
+    host count, per store (line style) and way (colour: an object per per-layer run, per
+    cross-layer run, per chunk). Right: the same model against this host's own prefix
+    measurements, which calibrate it (on the diagonal: predicted as measured)."""
+    fig, (ax, check) = panels(2, width, 2.4)
+    styles = {"mooncake": "-", "redis cluster": "--"}
+    for (store, layout, way) in dict.fromkeys((r["store"], r["layout"], r["way"]) for r in predictions):
+        mine = sorted((r for r in predictions if (r["store"], r["layout"], r["way"]) == (store, layout, way)),
+                      key=lambda r: r["hosts"])
+        per_chunk = way == "object per chunk"
+        if per_chunk and layout != mine[0]["layout"]:
+            continue
+        colour = GREY if per_chunk else CROSS_LAYER if layout.startswith("B") else PER_LAYER
+        label = "an object per chunk" if per_chunk else f"{layout}: an object per run"
+        ax.plot([r["hosts"] for r in mine], [r["predicted_s"] for r in mine], marker="o", ms=3, color=colour,
+                ls=styles.get(store, ":"), label=label)
+    for store, style in styles.items():
+        ax.plot([], [], color=BLACK, ls=style, label=store)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("hosts fetching at once")
+    ax.set_ylabel(f"predicted (s), {predictions[0]['prefixes']} prefixes/host")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:,.0f}"))
+    for row in calibration:
+        colour = CROSS_LAYER if row["layout"].startswith("B") else PER_LAYER
+        check.scatter(1e3 * row["measured_s"], 1e3 * row["predicted_s"], color=colour, s=14,
+                      marker="o" if row["store"] == "mooncake" else "s")
+    edges = [1e3 * v for r in calibration for v in (r["measured_s"], r["predicted_s"])]
+    if edges:
+        check.plot([min(edges), max(edges)], [min(edges), max(edges)], color=GREY, ls=":", lw=0.8)
+    for axis in (check.xaxis, check.yaxis):
+        check.set_xscale("log") if axis is check.xaxis else check.set_yscale("log")
+        axis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
+        axis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    check.set_xlabel("measured on this host (ms)")
+    check.set_ylabel("model (ms)")
+    unique_legend(fig, loc="outside lower center", ncols=3 if fig.get_figwidth() >= 5 else 2)
+    figure_title(fig, readable(title, list(predictions)))
+    return fig
 
 
 def _finish(fig: plt.Figure, xlabel: str, base: int, columns: int, title: str, rows: Sequence[dict]) -> plt.Figure:

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from kvlab.runtime.servers import HOST, ManagedServer, ServerError
-from kvlab.store.secrets import PASSWORD_FILE, resolve_redis_url
+from kvlab.runtime.servers import HOST, ManagedServer, ServerError, check_port_free, free_port
+from kvlab.store.secrets import CLUSTER_SCHEME, PASSWORD_FILE, is_cluster_url, resolve_redis_url
 
 
 class RedisError(ServerError):
@@ -42,9 +42,13 @@ class RedisServer(ManagedServer):
     executable: str | None = None
     startup_timeout: float = 20.0
     stop_grace: float = 5.0
+    # a folder of new_password_folder() that other servers share (a cluster's nodes), which its
+    # maker removes; None: a new one of its own at each start, removed when it stops
+    secret_dir: Path | None = field(default=None, repr=False)
+    args: tuple[str, ...] = ()  # more redis-server options, e.g. a cluster node's
     process: subprocess.Popen | None = field(default=None, init=False, repr=False)
     startup_seconds: float | None = field(default=None, init=False)
-    secret_dir: Path | None = field(default=None, init=False, repr=False)  # mode 0700; removed on stop
+    _owns_secret: bool = field(default=False, init=False, repr=False)
 
     error = RedisError
     label = "redis server"
@@ -70,24 +74,24 @@ class RedisServer(ManagedServer):
         if not executable:
             raise RedisError("no redis-server command on PATH; install Debian's redis-server "
                              "(apt-get install redis-server; scripts/setup-env does it when it may)")
-        self._new_password()
+        if self.secret_dir is None or self._owns_secret:
+            self.secret_dir, self._owns_secret = new_password_folder(), True
         return [executable, str(self.secret_dir / "redis.conf"), "--bind", HOST, "--port", str(self.port),
                 "--save", "", "--appendonly", "no", "--maxmemory", f"{self.maxmemory_mb}mb",
-                "--maxmemory-policy", "allkeys-lru", "--protected-mode", "yes", "--daemonize", "no"]
+                "--maxmemory-policy", "allkeys-lru", "--protected-mode", "yes", "--daemonize", "no", *self.args]
 
-    def _new_password(self) -> None:
-        """A new random password, in ``password`` (for ``url``) and ``redis.conf`` (the
-        server's ``requirepass``) in a new folder of mode 0700, each file of mode 0600."""
-        self.secret_dir = Path(tempfile.mkdtemp(prefix="kvlab-redis-"))
-        password = secrets.token_urlsafe(32)
-        for name, text in (("password", password), ("redis.conf", f"requirepass {password}")):
-            with open(os.open(self.secret_dir / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as file:
-                file.write(text + "\n")
+    def _claim_ports(self) -> None:
+        """As redis-server binds (SO_REUSEADDR): a killed server's port is free to it at once,
+        so it can start again on it (a cluster's node must)."""
+        if self.port is None:
+            self.port = free_port()
+        else:
+            check_port_free(HOST, self.port, RedisError, reuse_address=True)
 
     def stop(self) -> None:
-        """Stop it, then remove its password folder: a password outlives no server."""
+        """Stop it, then remove its own password folder: a password outlives no server."""
         super().stop()
-        if self.secret_dir is not None:
+        if self._owns_secret and self.secret_dir is not None:
             shutil.rmtree(self.secret_dir, ignore_errors=True)
 
     def environment(self) -> dict[str, str]:
@@ -117,10 +121,24 @@ class RedisServer(ManagedServer):
         return int(self.client().dbsize())
 
 
+def new_password_folder() -> Path:
+    """A new random password in a new folder of mode 0700: ``password`` (for URLs) and
+    ``redis.conf`` (``requirepass``, and ``masterauth`` for a cluster's replicas), each of mode 0600."""
+    folder = Path(tempfile.mkdtemp(prefix="kvlab-redis-"))
+    password = secrets.token_urlsafe(32)
+    for name, text in (("password", password), ("redis.conf", f"requirepass {password}\nmasterauth {password}")):
+        with open(os.open(folder / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as file:
+            file.write(text + "\n")
+    return folder
+
+
 def shut_down(url: str) -> None:
     """Stop the Redis server at ``url`` (its password named as kvlab.store.secrets reads it)
     from any process, at once and saving nothing, as a crash would (an engine's fault phase
-    does this to the server a test started)."""
+    does this to the server a test started); of a Redis Cluster's URL, the node it names."""
     import redis
 
-    redis.Redis.from_url(resolve_redis_url(url), socket_timeout=5).shutdown(nosave=True)
+    resolved = resolve_redis_url(url)
+    if is_cluster_url(resolved):
+        resolved = "redis" + resolved[len(CLUSTER_SCHEME):]
+    redis.Redis.from_url(resolved, socket_timeout=5).shutdown(nosave=True)

@@ -58,9 +58,12 @@ def free_port(host: str = HOST) -> int:
         return sock.getsockname()[1]
 
 
-def check_port_free(host: str, port: int, error: type[Exception] = ServerError) -> None:
-    """Raise ``error`` when something already holds ``port`` on ``host``."""
+def check_port_free(host: str, port: int, error: type[Exception] = ServerError, reuse_address: bool = False) -> None:
+    """Raise ``error`` when something already holds ``port`` on ``host``; ``reuse_address``: as a
+    server that binds with SO_REUSEADDR sees it (connections of a killed one left in TIME_WAIT
+    do not hold it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, int(reuse_address))
         try:
             sock.bind((host, port))
         except OSError as failure:

@@ -5,7 +5,9 @@ errors quote the URL, so a password written in the URL would end up in every log
 ``redis://127.0.0.1:6379/0?password_file=/path/to/file`` reads the password from that file
 (its first line; keep it mode 0600), ``redis://127.0.0.1:6379/0?password_env=NAME`` from the
 environment variable ``NAME``. :func:`resolve_redis_url` puts it in for ``redis.Redis.from_url``
-only; everything shown to people goes through :func:`redact`."""
+only; everything shown to people goes through :func:`redact`. A Redis Cluster's URL is
+``redis-cluster://host:port`` with the same arguments: one node is enough, the client finds
+the others (kvlab.store.tiers.redis_cluster)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from pathlib import Path
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 PASSWORD_FILE, PASSWORD_ENV = "password_file", "password_env"
+CLUSTER_SCHEME = "redis-cluster"
 # a URL's user information (up to its host) and redis-py's ?password= query argument
 _USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^:/?#@\s]*):[^/?#\s]*@")
 _QUERY_PASSWORD = re.compile(r"(?P<key>[?&]password=)[^&#\s'\"]*")
@@ -51,6 +54,11 @@ def resolve_redis_url(url: str) -> str:
     netloc = f"{user}:{quote(password, safe='')}@{host}"
     rest = urlencode([(k, v) for k, v in query if k != key])
     return urlunsplit((parts.scheme, netloc, parts.path, rest, parts.fragment))
+
+
+def is_cluster_url(url: str) -> bool:
+    """Whether ``url`` names a Redis Cluster (one of its nodes) rather than one server."""
+    return url.startswith(CLUSTER_SCHEME + "://")
 
 
 def redact(text: str) -> str:

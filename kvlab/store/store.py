@@ -50,7 +50,8 @@ class KVStore:
     """Chunks by key in host memory (LRU within ``capacity_bytes``), written through to
     the shared tiers given: a host-shared memory folder (``shm_path``), a disk folder
     (``disk_path``, LRU by last use within ``disk_capacity_bytes``) and a Redis server
-    (``redis_url``), looked up in that order.
+    (``redis_url``, a Redis Cluster too) and a Mooncake Store (``mooncake_url``, lending it
+    ``mooncake_segment_bytes`` of this process's memory), looked up in that order.
 
     ``verify`` is "disk" (check the CRC of every chunk read from a shared tier; trust
     chunks this process sealed in memory) or "always" (also at every memory hit, ~4 ms per
@@ -74,6 +75,8 @@ class KVStore:
     shm_path: str | Path | None = None
     shm_capacity_bytes: int = 4 << 30
     redis_url: str | None = None
+    mooncake_url: str | None = None
+    mooncake_segment_bytes: int = 0
     promote: bool = True
     auth_key: bytes | None = field(default=None, repr=False)
 
@@ -82,6 +85,10 @@ class KVStore:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive number of bytes, got {value!r}")
+        if isinstance(self.mooncake_segment_bytes, bool) or not isinstance(self.mooncake_segment_bytes, int) \
+                or self.mooncake_segment_bytes < 0:
+            raise ValueError(f"mooncake_segment_bytes must be a non-negative number of bytes, "
+                             f"got {self.mooncake_segment_bytes!r}")
         if self.verify not in ("always", "disk"):
             raise ValueError(f"verify must be 'always' or 'disk', got {self.verify!r}")
         if self.auth_key is not None and (not isinstance(self.auth_key, bytes) or len(self.auth_key) < 16):
@@ -115,7 +122,7 @@ class KVStore:
         return next((tier for tier in self._shared if tier.name == "disk"), None)
 
     def tier(self, name: str) -> Tier:
-        """A tier by name ("memory", "shm", "disk", "redis")."""
+        """A tier by name ("memory", "shm", "disk", "redis", "mooncake")."""
         for tier in (self._memory, *self._shared):
             if tier.name == name:
                 return tier

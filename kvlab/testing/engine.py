@@ -40,7 +40,9 @@ class EngineSpec:
     runs after everything else: KVLabConnector's in-memory chunks are damaged that way first
     (and put back after), so its outputs show how a check moves when the reloaded KV is bad.
     "warm-redis-down" runs last: the Redis server of ``extra["redis_url"]`` is shut down
-    first, as a crash would, so the connector must miss (or fail its loads) and recompute.
+    first, as a crash would, so the connector must miss (or fail its loads) and recompute (of
+    a Redis Cluster, the node the URL names: what it served misses, the rest hits);
+    "warm-mooncake-down" the same for the Mooncake master of ``extra["mooncake_url"]``.
     "reload-<i>" runs last too: ``reloads[i]`` is loaded into the running engine first, as an
     RL trainer loads new weights (``{"weights": folder, "how": "path" or "iterator",
     "reset": "none", "prefix" or "connector"}``: ``Worker.reload_weights`` with
@@ -205,7 +207,7 @@ def _forced_tokens_processor() -> type:
 
 # Phases run before (cold) and after (damaged KV, Redis down) the prompt-by-prompt ones.
 DAMAGE_PHASES = {f"warm-{name}": name for name in DAMAGES}
-FIRST_PHASES, LAST_PHASES = ("cold", "control"), (*DAMAGE_PHASES, "warm-redis-down")
+FIRST_PHASES, LAST_PHASES = ("cold", "control"), (*DAMAGE_PHASES, "warm-redis-down", "warm-mooncake-down")
 
 
 def _schedule(phases: tuple[str, ...], prompts: int, batch: bool) -> list[tuple[str, list[int]]]:
@@ -274,6 +276,10 @@ def _child(job_path: str, out_path: str) -> None:
             from kvlab.runtime.redis import shut_down
 
             shut_down(spec.extra["redis_url"])
+        if phase == "warm-mooncake-down":
+            from kvlab.runtime.mooncake import shut_down
+
+            shut_down(spec.extra["mooncake_url"])
         if phase.startswith("warm") and spec.prefix_caching:
             _reset(llm, in_process)  # vLLM's own copy goes; the connector's store stays
         start = time.perf_counter()

@@ -30,3 +30,12 @@ def test_every_strategy_round_trips_and_counts_objects(redis_server):
 def test_a_prefix_that_is_not_whole_chunks_is_refused(redis_server):
     with pytest.raises(ValueError, match="whole chunks"):
         redis_prefix_costs(redis_server.url, GEOMETRY, tokens=100, chunk_tokens=64)
+
+
+def test_on_a_cluster_a_chunks_objects_share_a_node_and_the_prefix_spreads(redis_cluster):
+    rows = redis_prefix_costs(redis_cluster.url, GEOMETRY, tokens=512, chunk_tokens=64, repeats=1)
+    assert all(r["identical"] and r["store"] == "redis cluster" and r["nodes"] == 3 for r in rows)
+    per_run = {r["layout"]: r for r in rows if r["strategy"] == "object per run"}
+    assert per_run["LBHNC"]["objects_per_chunk"] == GEOMETRY.num_layers * 4
+    assert per_run["LBHNC"]["store_round_trips_per_chunk"] == 1, "a chunk's hash-tagged objects: one node, one trip"
+    assert all(1 < r["nodes_touched"] <= 3 for r in rows), "8 chunks spread over the nodes"

@@ -18,7 +18,7 @@ from kvlab.plotting import (  # noqa: E402
     accuracy_figure, atlas, bandwidth_vs_tokens, break_even_figure, comparison_figure, cost_model_figure,
     deployed_figure, engine_layouts_figure, hardware_figure, hooks_timeline, layerwise_figure, memory_map, miniature, network_tier_figure,
     registration_figure, roundtrip_figure, segment_scaling, segments_by_layout, transfer_ratios,
-    ttft_figure, costs_by_length_figure, lookup_scaling_figure, concurrency_figure,
+    ttft_figure, costs_by_length_figure, lookup_scaling_figure, concurrency_figure, scale_prediction_figure,
 )
 from kvlab.results import committed_results_dir, load_results, results_for  # noqa: E402
 
@@ -119,6 +119,20 @@ def network(**kw):
                                      f"({rows[0]['hardware']})", **kw)
 
 
+def scale_prediction(**kw):
+    from kvlab.experiments.scale_model import calibration, fit_stores, predict
+    from kvlab.runtime.models import geometry_of, model_path
+
+    rows = committed("03_beyond")
+    fits = fit_stores([r for r in rows if r["kind"] == "pace"])
+    geometry = geometry_of(model_path("smollm2-135m-instruct"), block_size=32)
+    scale = predict([f for f in fits if f.direction == "get"], [geometry], hosts=(1, 2, 4, 8, 16, 32, 64),
+                    servers={"redis cluster": 3})
+    return scale_prediction_figure(scale, calibration(fits, [r for r in rows if r["kind"] == "prefix"]),
+                                   f"{geometry.name}: fetching 2048-token prefixes from one store "
+                                   f"({rows[0]['hardware']})", **kw)
+
+
 def accuracy(**kw):
     generations, perplexity, task = accuracy_tables()
     return accuracy_figure(generations, perplexity, task, f"{task[0]['model']} ({task[0]['dtype']}): reuse paths "
@@ -155,6 +169,7 @@ FIGURES = {
     "engine_layouts_figure": engine_layouts,
     "deployed_figure": deployed,
     "network_tier_figure": network,
+    "scale_prediction_figure": scale_prediction,
     "roundtrip_figure": lambda **kw: roundtrip_figure(records(committed("04_roundtrip")), **kw),
     "accuracy_figure": accuracy,
     "comparison_figure": comparison,

@@ -1,6 +1,7 @@
-"""The Redis tier: chunks in a Redis server, shared by every process and host that reaches
-it. Every fault of the server is absorbed, counted in :class:`StoreStats`, logged once and
-paused after (kvlab.store.tiers.backoff)."""
+"""The Redis tier: chunks in a Redis server or a Redis Cluster, shared by every process and
+host that reaches it. Every fault of the server is absorbed, counted in :class:`StoreStats`,
+logged once and paused after (kvlab.store.tiers.backoff); on a cluster each node pauses on
+its own (kvlab.store.tiers.redis_cluster)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from typing import Any, Callable
 
 from kvlab.store.chunk import HEADER_PREFIX, Chunk, ForgedChunk, Header, from_bytes, header_length, parse_header, to_bytes
 from kvlab.store.keys import valid_key
-from kvlab.store.secrets import redact, resolve_redis_url
+from kvlab.store.secrets import is_cluster_url, redact, resolve_redis_url
 from kvlab.store.tiers.backoff import Backoff
+from kvlab.store.tiers.redis_cluster import ClusterNodes, node_errors
 from kvlab.store.tiers.resp import BulkReader
 from kvlab.store.tiers.stats import StoreStats
 
@@ -23,7 +25,12 @@ class RedisTier:
 
     Every error of the server (down, unreachable, timing out) is absorbed: counted,
     logged once, and the tier pauses (lookups miss, writes are skipped: ``redis_skipped``) with a doubling
-    back-off, so no request waits on a dead server for more than one timeout."""
+    back-off, so no request waits on a dead server for more than one timeout.
+
+    On a Redis Cluster (``redis-cluster://``) every key is hash-tagged by its own chunk or
+    block key (``kvlab:c:{<chunk>}``), so chunks and block names spread over the nodes by
+    slot; a call's commands go to their nodes at once (one round trip), and a node that
+    fails costs only its own keys: misses, and writes skipped while it is paused."""
 
     name, shared = "redis", True
     PREFIX = "kvlab:"
@@ -35,6 +42,13 @@ class RedisTier:
         self.url = redact(url)  # for messages: the password never appears in them
         self.stats = stats
         self.auth_key = auth_key
+        self._backoff = Backoff()
+        self.round_trips = 0
+        self._cluster = ClusterNodes(url, timeout_s) if is_cluster_url(url) else None
+        self._errors = node_errors()
+        if self._cluster is not None:
+            self.client, self._bulk = None, None
+            return
         self.client = redis.Redis.from_url(resolve_redis_url(url), socket_timeout=timeout_s,
                                            socket_connect_timeout=timeout_s)
         pool = self.client.connection_pool
@@ -42,14 +56,11 @@ class RedisTier:
         # reader does not speak the connection (TLS)
         plain = pool.connection_class in (redis.Connection, redis.UnixDomainSocketConnection)
         self._bulk = BulkReader(pool.connection_kwargs, timeout_s) if plain else None
-        self._errors = (redis.RedisError, OSError)
-        self._backoff = Backoff()
-        self.round_trips = 0
 
     def check(self) -> None:
         """Raise ValueError naming the server unless it answers (at start-up)."""
         try:
-            self.client.ping()
+            self._cluster.check() if self._cluster is not None else self.client.ping()
         except self._errors as error:
             raise ValueError(f"the Redis tier cannot reach {self.url} ({error})") from None
 
@@ -58,8 +69,13 @@ class RedisTier:
         return self.locate_many([block_key])[0]
 
     def locate_many(self, block_keys: list[str]) -> list[tuple[str, int] | None]:
-        """Every block's chunk and position in one round trip (MGET)."""
-        values = self._call("read", lambda: self.client.mget([self.PREFIX + "b:" + key for key in block_keys]))
+        """Every block's chunk and position in one round trip (MGET; on a cluster, each
+        node's GETs pipelined, all nodes at once)."""
+        names = [self._name("b", key) for key in block_keys]
+        if self._cluster is not None:
+            values = self._send("read", [("GET", name) for name in names])
+        else:
+            values = self._call("read", lambda: self.client.mget(names))
         return [self._location(value) for value in values or [None] * len(block_keys)]
 
     @staticmethod
@@ -75,28 +91,25 @@ class RedisTier:
         trip only for headers longer than that): the payload crosses the network once, to
         the worker that loads it. None for a missing or bad one (a bad one is dropped), or,
         with ``auth_key``, one without a MAC."""
-        names = [self.PREFIX + "c:" + key for key in chunk_keys]
+        names = [self._name("c", key) for key in chunk_keys]
 
-        def ranges(spans: list[tuple[str, int, int]]) -> list:
-            pipe = self.client.pipeline(transaction=False)
-            for name, first, last in spans:
-                pipe.strlen(name)
-                pipe.getrange(name, first, last)
-            return pipe.execute()
+        def ranges(spans: list[tuple[str, int, int]]) -> list | None:
+            return self._send("read", [command for name, first, last in spans
+                                       for command in (("STRLEN", name), ("GETRANGE", name, first, last))])
 
-        replies = self._call("read", lambda: ranges([(name, 0, HEADER_PREFIX - 1) for name in names]))
+        replies = ranges([(name, 0, HEADER_PREFIX - 1) for name in names])
         if replies is None:
             return [None] * len(chunk_keys)
         heads = []
         for key, name, size, head in zip(chunk_keys, names, replies[::2], replies[1::2]):
-            if not size:
+            if not size or head is None:
                 heads.append(None)
                 continue
             try:
                 length = header_length(head)
                 if length > len(head):  # a long header: the rest of it
-                    rest = self._call("read", lambda: ranges([(name, len(head), length - 1)]))
-                    head += rest[1] if rest else b""
+                    rest = ranges([(name, len(head), length - 1)])
+                    head += rest[1] if rest and rest[1] else b""
                 header = parse_header(io.BytesIO(head), key, size)
                 if self.auth_key is not None and header.mac is None:
                     raise ForgedChunk("no MAC, and this store has an auth_key")
@@ -109,8 +122,11 @@ class RedisTier:
         return heads
 
     def get(self, chunk_key: str) -> Chunk | None:
-        name = self.PREFIX + "c:" + chunk_key
-        value = self._call("read", lambda: self._bulk.get(name) if self._bulk else self.client.get(name))
+        name = self._name("c", chunk_key)
+        if self._cluster is not None:
+            value = self._call("read", lambda: self._reply("read", *self._cluster.get(name)))
+        else:
+            value = self._call("read", lambda: self._bulk.get(name) if self._bulk else self.client.get(name))
         if value is None:
             return None
         self.stats.read_from(self.name)
@@ -124,19 +140,16 @@ class RedisTier:
 
     # ---- updates -------------------------------------------------------------------
     def put(self, chunk: Chunk) -> bool:
-        """One round trip: the chunk's value and its blocks' names, pipelined."""
-        def write() -> bool:
-            pipe = self.client.pipeline(transaction=False)
-            pipe.set(self.PREFIX + "c:" + chunk.key, to_bytes(chunk, self.auth_key))
-            for position, key in enumerate(chunk.block_keys):
-                pipe.set(self.PREFIX + "b:" + key, f"{chunk.key}:{position}")
-            pipe.execute()
-            return True
-
-        return bool(self._call("write", write))
+        """One round trip: the chunk's value and its blocks' names, pipelined (on a cluster,
+        to every node they go to at once; nothing is written while one of them is paused)."""
+        commands = [("SET", self._name("c", chunk.key), to_bytes(chunk, self.auth_key))]
+        commands += [("SET", self._name("b", key), f"{chunk.key}:{position}")
+                     for position, key in enumerate(chunk.block_keys)]
+        replies = self._send("write", commands)
+        return replies is not None and all(reply is not None for reply in replies)
 
     def discard(self, chunk_key: str) -> None:
-        self._call("write", lambda: self.client.delete(self.PREFIX + "c:" + chunk_key))
+        self._send("write", [("DEL", self._name("c", chunk_key))])
 
     def touch(self, chunk_key: str) -> None:
         """Nothing: the server's LRU sees every read."""
@@ -146,6 +159,38 @@ class RedisTier:
         return "unknown"
 
     # ---- internals -----------------------------------------------------------------
+    def _name(self, kind: str, key: str) -> str:
+        """A chunk's ("c") or a block's ("b") key name; hash-tagged by ``key`` on a cluster."""
+        return f"{self.PREFIX}{kind}:{{{key}}}" if self._cluster is not None else f"{self.PREFIX}{kind}:{key}"
+
+    def _send(self, kind: str, commands: list[tuple]) -> list | None:
+        """Each command's reply, all in one round trip; None when the server (or, for a
+        write, any node it goes to) failed or is paused. On a cluster a read's reply is None
+        only where its own node failed or is paused."""
+        if self._cluster is None:
+            def pipelined() -> list:
+                pipe = self.client.pipeline(transaction=False)
+                for command in commands:
+                    pipe.execute_command(*command)
+                return pipe.execute()
+
+            return self._call(kind, pipelined)
+        write = kind == "write"
+        result = self._call(kind, lambda: self._reply(kind, *self._cluster.run(commands, whole=write), skip=write))
+        return None if write and result is not None and any(r is None for r in result) else result
+
+    def _reply(self, kind: str, replies: Any, failures: dict[str, Exception], skip: bool = False) -> Any:
+        """A cluster call's replies, its failed nodes counted and logged once; a write sent to
+        a paused node is skipped (None)."""
+        if skip and replies is None and not failures:
+            self.stats.redis_skipped += 1
+        for node, error in failures.items():
+            self.stats.write_errors += kind == "write"
+            self.stats.read_errors += kind == "read"
+            self._backoff.log_once(f"{kind}:{node}", "KVLabConnector store: Redis Cluster node %s failed a %s (%s); "
+                                   "it pauses, the other nodes serve on", node, kind, error)
+        return None if failures and kind == "write" else replies
+
     def _call(self, kind: str, operation: Callable[[], Any]) -> Any:
         if self._backoff.paused:
             self.stats.redis_skipped += kind == "write"

@@ -18,6 +18,7 @@ class StoreStats:
     disk_reads: int = 0  # chunks read from each shared tier (checked or not)
     shm_reads: int = 0
     redis_reads: int = 0
+    mooncake_reads: int = 0
     bad_headers: int = 0  # files skipped because their header failed the schema
     read_errors: int = 0  # a file that could not be read (I/O error): a miss
     write_errors: int = 0  # a chunk a shared tier could not write (full, read-only, server down, ...)
@@ -25,6 +26,8 @@ class StoreStats:
     disk_skipped: int = 0  # chunks the disk or shm tier did not write: larger than its budget, or paused
     stale_tmp_removed: int = 0  # partial files of writers that died
     redis_skipped: int = 0  # chunks the Redis tier did not write: paused after a failure
+    mooncake_skipped: int = 0  # chunks the Mooncake tier did not write: paused after a failure
+    mooncake_full: int = 0  # chunks the Mooncake store had no room for yet (its master evicts)
 
     def read_from(self, tier: str) -> None:
         """Count a chunk read from the shared tier named ``tier``."""

@@ -1,0 +1,268 @@
+"""The Mooncake tier: chunks in a Mooncake Store (the distributed store vLLM's
+MooncakeStoreConnector, LMCache's ``mooncakestore`` backend and SGLang use), shared by every
+process and host that reaches its master. Every fault is absorbed, counted in
+:class:`StoreStats`, logged once and paused after (kvlab.store.tiers.backoff), as the Redis
+tier does; a full store is not a fault: the master evicts, the write is skipped and counted."""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import os
+import re
+import socket
+from typing import Any, Callable
+from urllib.parse import parse_qsl, urlsplit
+
+import torch
+
+from kvlab.store.chunk import Chunk, ForgedChunk, Header, encode_header, from_bytes, parse_header
+from kvlab.store.keys import valid_key
+from kvlab.store.tiers.backoff import Backoff
+from kvlab.store.tiers.stats import StoreStats
+
+# Mooncake's error codes (mooncake-store/include/types.h) the tier tells apart.
+NO_SPACE, NOT_FOUND = -200, -704
+LOCAL_BUFFER_BYTES = 16 << 20  # each client's staging memory for gets by handle (the small values)
+NAMESPACE = "kvlab"
+CONNECT_TIMEOUT_S = 2.0
+
+
+def parse_mooncake_url(url: str) -> dict[str, Any]:
+    """``mooncake://host:rpc_port?metadata_port=P[&namespace=N]``: the master's RPC address,
+    its HTTP metadata server and the key namespace. ValueError naming what is wrong."""
+    if not isinstance(url, str) or not url.startswith("mooncake://"):
+        raise ValueError(f"mooncake_url must start with mooncake://, got {url!r}")
+    parts = urlsplit(url)
+    query = dict(parse_qsl(parts.query))
+    try:
+        port, metadata_port = parts.port, int(query.get("metadata_port", ""))
+    except ValueError:
+        raise ValueError(f"mooncake_url needs the master's port and ?metadata_port=<its HTTP metadata port>, "
+                         f"got {url!r}") from None
+    unknown = set(query) - {"metadata_port", "namespace"}
+    if not parts.hostname or port is None or unknown:
+        raise ValueError(f"mooncake_url is mooncake://host:port?metadata_port=P[&namespace=N], got {url!r}")
+    namespace = query.get("namespace", NAMESPACE)
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", namespace):
+        raise ValueError(f"mooncake_url's namespace must be letters, digits, '-' and '_', got {namespace!r}")
+    return {"host": parts.hostname, "port": port, "metadata_port": metadata_port, "namespace": namespace}
+
+
+def _answers(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S):
+            return True
+    except OSError:
+        return False
+
+
+def _local_address(master_host: str) -> str:
+    """The address other clients reach this one at: the one this host uses toward the master."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((master_host, 9))
+            return probe.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+class MooncakeTier:
+    """Chunks in a Mooncake Store: per chunk one object (its header then its payload, put
+    from the chunk's own tensors as a list of buffers: no gather copy) and its header again
+    as a small object, so a scheduler checks a chunk without fetching it; per block one
+    small object naming its chunk and position. ``segment_bytes`` of this process's memory
+    are lent to the store (0: the store's own segments hold everything, as with
+    kvlab.runtime.mooncake, and this client only reads and writes)."""
+
+    name, shared = "mooncake", True
+
+    def __init__(self, url: str, stats: StoreStats, segment_bytes: int = 0, auth_key: bytes | None = None) -> None:
+        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's info lines are many: its errors only
+        from mooncake.store import MooncakeDistributedStore
+
+        where = parse_mooncake_url(url)
+        self.url, self.stats, self.auth_key = url, stats, auth_key
+        self.prefix = where["namespace"] + "/"
+        self.client = MooncakeDistributedStore()
+        # Mooncake retries a master that is not there for 90 s: a closed port is a quick "no" here
+        if all(_answers(where["host"], where[port]) for port in ("port", "metadata_port")):
+            self._setup = self.client.setup(_local_address(where["host"]),
+                                            f"http://{where['host']}:{where['metadata_port']}/metadata", segment_bytes,
+                                            LOCAL_BUFFER_BYTES, "tcp", "", f"{where['host']}:{where['port']}")
+        else:
+            self._setup = -1
+        self._backoff = Backoff()
+        self.round_trips = 0
+        self.objects_put = 0
+
+    def check(self) -> None:
+        """Raise ValueError naming the master unless this client reached it (at start-up)."""
+        if self._setup != 0 or self.client.health_check() != 0:
+            raise ValueError(f"the mooncake tier cannot reach the Mooncake master at {self.url} "
+                             f"(setup returned {self._setup}); start it (kvlab.runtime.mooncake.MooncakeStore)")
+
+    # ---- lookups -------------------------------------------------------------------
+    def locate(self, block_key: str) -> tuple[str, int] | None:
+        return self.locate_many([block_key])[0]
+
+    def locate_many(self, block_keys: list[str]) -> list[tuple[str, int] | None]:
+        """Every block's chunk and position, in one batch."""
+        values = self._values([self.prefix + "b/" + key for key in block_keys])
+        return [self._location(value) for value in values]
+
+    @staticmethod
+    def _location(value: bytes | None) -> tuple[str, int] | None:
+        if not value:
+            return None
+        chunk_key, _, position = value.decode(errors="replace").partition(":")
+        return (chunk_key, int(position)) if valid_key(chunk_key) and position.isdigit() else None
+
+    def describe_many(self, chunk_keys: list[str]) -> list[Header | None]:
+        """Each chunk's header object, checked against the schema, in one batch; the payload
+        crosses once, to the worker that loads it. None for a missing or bad one (a bad one
+        is dropped), or, with ``auth_key``, one without a MAC."""
+        heads = []
+        for key, head in zip(chunk_keys, self._values([self.prefix + "h/" + key for key in chunk_keys])):
+            if head is None:
+                heads.append(None)
+                continue
+            try:
+                header = parse_header(io.BytesIO(head), key, None)
+                if self.auth_key is not None and header.mac is None:
+                    raise ForgedChunk("no MAC, and this store has an auth_key")
+            except ValueError as error:
+                self.stats.bad_headers += not isinstance(error, ForgedChunk)
+                self.stats.forged += isinstance(error, ForgedChunk)
+                self._reject(key, error)
+                header = None
+            heads.append(header)
+        return heads
+
+    def get(self, chunk_key: str) -> Chunk | None:
+        """The chunk, fetched straight into memory of its own and checked."""
+        name = self.prefix + "c/" + chunk_key
+
+        def fetch() -> torch.Tensor | None:
+            size = self.client.get_size(name)
+            if size == NOT_FOUND:
+                return None
+            if size < 0:
+                raise OSError(f"get_size returned {size}")
+            buffer = torch.empty(size, dtype=torch.uint8)
+            got = self.client.batch_get_into([name], [buffer.data_ptr()], [size])[0]
+            if got == NOT_FOUND:
+                return None
+            if got != size:
+                raise OSError(f"batch_get_into returned {got} for {size} bytes")
+            return buffer
+
+        buffer = self._call("read", fetch)
+        if buffer is None:
+            return None
+        self.stats.read_from(self.name)
+        try:
+            return from_bytes(memoryview(buffer.numpy()), chunk_key, self.auth_key)
+        except ValueError as error:
+            self.stats.forged += isinstance(error, ForgedChunk)
+            self._reject(chunk_key, error)
+            return None
+
+    # ---- updates -------------------------------------------------------------------
+    def put(self, chunk: Chunk) -> bool:
+        """The chunk from its own tensors (one descriptor per tensor), then its header and
+        its blocks' names (one batch): a block is never named before its chunk is whole."""
+        header = torch.frombuffer(bytearray(encode_header(chunk, self.auth_key)), dtype=torch.uint8)
+        parts = [header] + [t.contiguous().view(torch.uint8).reshape(-1) for t in chunk.buffer.storage]
+        names = [f"{chunk.key}:{position}".encode() for position in range(len(chunk.block_keys))]
+        small = torch.frombuffer(bytearray(b"".join(names)), dtype=torch.uint8)
+        offsets = [0]
+        for value in names:
+            offsets.append(offsets[-1] + len(value))
+
+        def write() -> bool:
+            codes = self.client.batch_put_from_multi_buffers(
+                [self.prefix + "c/" + chunk.key], [[t.data_ptr() for t in parts]], [[t.numel() for t in parts]])
+            if not self._stored(codes):
+                return False
+            keys = [self.prefix + "h/" + chunk.key] + [self.prefix + "b/" + key for key in chunk.block_keys]
+            pointers = [header.data_ptr()] + [small.data_ptr() + offset for offset in offsets[:-1]]
+            sizes = [header.numel()] + [len(value) for value in names]
+            stored = self._stored(self.client.batch_put_from(keys, pointers, sizes))
+            self.objects_put += 1 + len(keys)
+            return stored
+
+        return bool(self._call("write", write))
+
+    def _stored(self, codes: list[int]) -> bool:
+        """Whether a batch put stored everything: a full store is counted, not a fault."""
+        if all(code >= 0 for code in codes):
+            return True
+        if all(code in (0, NO_SPACE) for code in codes):
+            self.stats.mooncake_full += 1
+            return False
+        raise OSError(f"a put returned {sorted(set(codes))}")
+
+    def discard(self, chunk_key: str) -> None:
+        self._call("write", lambda: self.client.batch_remove([self.prefix + "c/" + chunk_key,
+                                                              self.prefix + "h/" + chunk_key], True))
+
+    def touch(self, chunk_key: str) -> None:
+        """Nothing: the master's eviction sees every get."""
+
+    def identity(self, chunk_key: str) -> str:
+        """No cheap identity: a value checked once is trusted until a load of it fails."""
+        return "unknown"
+
+    def close(self) -> None:
+        """Leave the store (a segment this client lent goes with it)."""
+        self.client.close()
+
+    # ---- internals -----------------------------------------------------------------
+    def _values(self, names: list[str]) -> list[bytes | None]:
+        """The small values of ``names`` in one batch (None where missing). A batch that finds
+        nothing asks the master whether the first name exists: Mooncake answers a query it
+        could not make (its master just died) as a missing value, and a fault must be counted."""
+        def read() -> list[bytes | None]:
+            values = [None if handle is None else ctypes.string_at(handle.ptr(), handle.size())
+                      for handle in self.client.batch_get_buffer(names)]
+            if names and all(value is None for value in values):
+                code = self.client.batch_is_exist(names[:1])[0]
+                if code < 0:
+                    raise OSError(f"the master did not answer a lookup (code {code})")
+            return values
+
+        return self._call("read", read) or [None] * len(names)
+
+    def _call(self, kind: str, operation: Callable[[], Any]) -> Any:
+        if self._backoff.paused:
+            self.stats.mooncake_skipped += kind == "write"
+            return None
+        self.round_trips += 1
+        try:
+            if self._setup != 0 or self.client.health_check() != 0:
+                raise OSError("the master does not answer")
+            result = operation()
+        except (OSError, RuntimeError) as error:  # Mooncake's error codes (as OSError) and its own exceptions
+            self.stats.write_errors += kind == "write"
+            self.stats.read_errors += kind == "read"
+            pause = self._backoff.fail()
+            self._backoff.log_once(kind, "KVLabConnector store: Mooncake at %s failed a %s (%s); the tier pauses for "
+                                   "%g s, then less often; requests go on", self.url, kind, error, pause)
+            return None
+        self._backoff.succeed()
+        return result
+
+    def _reject(self, chunk_key: str, error: Exception) -> None:
+        self.stats.corrupt += 1
+        self._backoff.log_once("corrupt", "KVLabConnector store: dropping Mooncake chunk %s (%s); recomputing instead",
+                               chunk_key, error)
+        self.discard(chunk_key)
+
+
+def open_mooncake(settings) -> MooncakeTier | None:  # noqa: ANN001 - a KVStore (kvlab.store.tiers.registry)
+    """A Mooncake tier where the store has a ``mooncake_url``."""
+    if getattr(settings, "mooncake_url", None) is None:
+        return None
+    return MooncakeTier(settings.mooncake_url, settings.stats, settings.mooncake_segment_bytes,
+                        auth_key=settings.auth_key)

@@ -1,0 +1,136 @@
+"""The mooncake tier against a real Mooncake Store (its master and a segment process on
+loopback, kvlab.runtime.mooncake): chunks read back bitwise by another client, headers
+checked without the payload, damage refused and dropped, a full store evicting instead of
+failing, and a master or segment that dies absorbed as misses within seconds."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvlab.cache import ModelGeometry, allocate
+from kvlab.runtime.mooncake import MooncakeStore
+from kvlab.runtime.servers import free_port
+from kvlab.store import Chunk, KVStore, block_hashes, signature
+from kvlab.store.tiers import MooncakeTier, StoreStats, Tier
+from kvlab.store.tiers.mooncake import parse_mooncake_url
+
+GEOMETRY = ModelGeometry("mooncake-test", 4, 2, 64, torch.bfloat16, 16)  # 32 KiB per block
+
+
+def chunk(tag: int, blocks: int = 4, geometry: ModelGeometry = GEOMETRY) -> Chunk:
+    buffer = allocate("LBHNC", geometry, blocks)
+    generator = torch.Generator().manual_seed(tag)
+    for tensor in buffer.storage:
+        tensor.copy_(torch.randn(tensor.shape, generator=generator).to(tensor.dtype))
+    keys = block_hashes(list(range(tag * 1000, tag * 1000 + blocks * geometry.block_size)), geometry.block_size, "m")
+    return Chunk(keys, buffer, signature(buffer)).seal()
+
+
+def tier(url: str, namespace: str, stats: StoreStats | None = None) -> MooncakeTier:
+    return MooncakeTier(f"{url}&namespace={namespace}", stats or StoreStats())
+
+
+def same(a: Chunk, b: Chunk) -> bool:
+    return a.block_keys == b.block_keys and all(torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+                                                for x, y in zip(a.buffer.storage, b.buffer.storage))
+
+
+def test_another_client_reads_what_one_wrote_bitwise(mooncake_store, request) -> None:
+    writer, reader = tier(mooncake_store.url, request.node.name), tier(mooncake_store.url, request.node.name)
+    assert isinstance(writer, Tier)
+    writer.check()
+    stored = [chunk(tag) for tag in range(3)]
+    assert all(writer.put(c) for c in stored)
+    keys = [key for c in stored for key in c.block_keys]
+    assert reader.locate_many(keys) == [(c.key, position) for c in stored for position in range(4)]
+    assert reader.locate_many(["0" * 64]) == [None]
+    headers = reader.describe_many([c.key for c in stored] + ["0" * 64])
+    assert [h.block_keys for h in headers[:3]] == [c.block_keys for c in stored] and headers[3] is None
+    assert all(same(reader.get(c.key), c) for c in stored)
+    assert reader.get("0" * 64) is None and reader.stats.mooncake_reads == 3
+
+
+def test_a_store_reads_it_through_its_lookup_order(mooncake_store, request) -> None:
+    url = f"{mooncake_store.url}&namespace={request.node.name}"
+    KVStore(mooncake_url=url).put(chunk(7))
+    other = KVStore(mooncake_url=url)
+    fetched = other.fetch(chunk(7).key, tier="mooncake")
+    assert fetched.chunk is not None and same(fetched.chunk, chunk(7))
+
+
+def test_a_damaged_chunk_is_refused_and_dropped(mooncake_store, request) -> None:
+    stats = StoreStats()
+    writer, reader = tier(mooncake_store.url, request.node.name), tier(mooncake_store.url, request.node.name, stats)
+    good = chunk(1)
+    writer.put(good)
+    name = f"{request.node.name}/c/{good.key}"
+    value = bytearray(writer.client.get(name))
+    value[-5] ^= 0x40
+    assert writer.client.upsert(name, bytes(value)) == 0
+    assert reader.get(good.key) is None and stats.corrupt == 1
+    assert writer.client.is_exist(name) == 0, "dropped"
+    assert reader.describe_many([good.key]) == [None], "its header went with it"
+
+
+def test_a_full_store_evicts_the_oldest_and_never_fails_a_write(own_mooncake_store) -> None:
+    """32 MiB of segment, 60 chunks of 1 MiB: the master evicts the least recently used,
+    so the newest chunks are there, the oldest are not, and no write raised."""
+    big = ModelGeometry("mooncake-big", 8, 4, 64, torch.bfloat16, 16)  # 128 KiB per block
+    stats = StoreStats()
+    writer = tier(own_mooncake_store.url, "full", stats)
+    stored = 0
+    for tag in range(60):
+        stored += writer.put(chunk(tag, 8, big))
+        time.sleep(0.02)  # past the 200 ms lease of older objects, now and then
+    assert stored + stats.mooncake_full == 60 and stats.write_errors == 0
+    assert own_mooncake_store.keys() < 60 * 10, "evicted"
+    assert own_mooncake_store.master.metrics()["master_allocated_bytes"] <= 32 << 20
+    assert writer.get(chunk(0, 8, big).key) is None, "the oldest went"
+    time.sleep(0.5)
+    last = chunk(60, 8, big)
+    assert writer.put(last) and same(writer.get(last.key), last), "room again after eviction"
+
+
+def test_the_master_down_at_start_up_is_a_clear_error_at_once() -> None:
+    url = f"mooncake://127.0.0.1:{free_port()}?metadata_port={free_port()}"
+    began = time.monotonic()
+    with pytest.raises(ValueError, match="cannot reach the Mooncake master"):
+        KVStore(mooncake_url=url).check_shared()
+    assert time.monotonic() - began < 10
+
+
+@pytest.mark.parametrize("fault", ["master", "segment"])
+def test_a_master_or_segment_that_dies_is_a_quick_miss(own_mooncake_store, fault: str) -> None:
+    stats = StoreStats()
+    one = tier(own_mooncake_store.url, "faults", stats)
+    stored = chunk(3)
+    assert one.put(stored) and same(one.get(stored.key), stored)
+    (own_mooncake_store.kill_master if fault == "master" else own_mooncake_store.kill_segment)()
+    began = time.monotonic()
+    deadline = began + 10
+    while time.monotonic() < deadline and one.get(stored.key) is not None:
+        time.sleep(0.2)
+    assert one.get(stored.key) is None and time.monotonic() - began < 10
+    assert one.locate_many(stored.block_keys) in ([None] * 4, [(stored.key, i) for i in range(4)])
+    assert not one.put(chunk(4)), "a write is skipped, not raised"
+    assert stats.read_errors + stats.write_errors + stats.mooncake_full + stats.mooncake_skipped >= 1
+
+
+@pytest.mark.parametrize("url, message", [
+    ("redis://127.0.0.1:1", "must start with mooncake://"),
+    ("mooncake://127.0.0.1:50051", "metadata_port"),
+    ("mooncake://127.0.0.1?metadata_port=8080", "mooncake://host:port"),
+    ("mooncake://127.0.0.1:50051?metadata_port=8080&segment=1", "mooncake://host:port"),
+    ("mooncake://127.0.0.1:50051?metadata_port=8080&namespace=a/b", "namespace"),
+])
+def test_bad_urls_are_named(url: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_mooncake_url(url)
+
+
+def test_the_store_needs_a_positive_segment_size() -> None:
+    with pytest.raises(ValueError, match="segment_mb"):
+        MooncakeStore(segment_mb=0)
