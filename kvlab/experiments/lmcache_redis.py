@@ -6,7 +6,7 @@ manager, ``RemoteBackend`` with ``remote_url="redis://..."``, serde "naive", no 
 tier so every fetch comes from Redis), in a process of its own: LMCache's token database
 imports vLLM to find a hash function, and vLLM's CPU engine cannot start in a process that
 has imported LMCache. The "device" is a CPU tensor in LMCache's KV_2LTD chunk format; LMCache
-ships no CPU connector, so :class:`_CPUConnector` copies between it and LMCache's memory
+ships no CPU connector, so :func:`kv2ltd_connector` copies between it and LMCache's memory
 objects. What it finds about LMCache 0.5.6 (two keys per chunk, written one after the other;
 one EXISTS per chunk, then two GETs) is counted from the server's own command statistics."""
 
@@ -50,30 +50,19 @@ class _NoVLLM:
         return None
 
 
-def _child(job_path: str, out_path: str) -> None:
-    sys.meta_path.insert(0, _NoVLLM())
-    import redis
+def kv2ltd_connector(source: Any, target: Any) -> Any:
+    """LMCache's "GPU connector" for a CPU tensor in its KV_2LTD format [2, L, T, H*D]: it
+    copies chunks from ``source`` (a store) and into ``target`` (a retrieve); LMCache ships
+    none for a CPU."""
     import torch
-    from lmcache.v1.cache_engine import LMCacheEngineBuilder
-    from lmcache.v1.config import LMCacheEngineConfig
     from lmcache.v1.gpu_connector import GPUConnectorInterface
-    from lmcache.v1.metadata import LMCacheMetadata
 
-    job = json.loads(Path(job_path).read_text())
-    layers, heads, head_size, tokens, chunk = job["layers"], job["heads"], job["head_size"], job["tokens"], job["chunk_tokens"]
-    dtype = getattr(torch, job["dtype"])
-
-    class _CPUConnector(GPUConnectorInterface):
-        """KV_2LTD copies between a CPU tensor [2, L, T, H*D] and LMCache's memory objects."""
-
-        def __init__(self, source: torch.Tensor, target: torch.Tensor) -> None:
-            self.source, self.target = source, target
-
+    class CPUConnector(GPUConnectorInterface):
         def from_gpu(self, memory_obj, start, end, **kwargs):
-            memory_obj.tensor.copy_(self.source[:, :, start:end])
+            memory_obj.tensor.copy_(source[:, :, start:end])
 
         def to_gpu(self, memory_obj, start, end, **kwargs):
-            self.target[:, :, start:end].copy_(memory_obj.tensor)
+            target[:, :, start:end].copy_(memory_obj.tensor)
 
         def batched_from_gpu(self, memory_objs, starts, ends, **kwargs):
             for obj, start, end in zip(memory_objs, starts, ends):
@@ -84,7 +73,22 @@ def _child(job_path: str, out_path: str) -> None:
                 self.to_gpu(obj, start, end)
 
         def get_shape(self, num_tokens):
-            return torch.Size([2, layers, num_tokens, heads * head_size])
+            return torch.Size([2, source.shape[1], num_tokens, source.shape[3]])
+
+    return CPUConnector()
+
+
+def _child(job_path: str, out_path: str) -> None:
+    sys.meta_path.insert(0, _NoVLLM())
+    import redis
+    import torch
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.metadata import LMCacheMetadata
+
+    job = json.loads(Path(job_path).read_text())
+    layers, heads, head_size, tokens, chunk = job["layers"], job["heads"], job["head_size"], job["tokens"], job["chunk_tokens"]
+    dtype = getattr(torch, job["dtype"])
 
     url = resolve_redis_url(job["url"])  # LMCache takes the password in the URL (and logs it in this child)
     client = redis.Redis.from_url(url)
@@ -98,7 +102,7 @@ def _child(job_path: str, out_path: str) -> None:
     generator = torch.Generator().manual_seed(0)
     source = torch.randn(2, layers, tokens, heads * head_size, generator=generator).to(dtype)
     target = torch.zeros_like(source)
-    engine = LMCacheEngineBuilder.get_or_create("kvlab-redis", config, metadata, _CPUConnector(source, target),
+    engine = LMCacheEngineBuilder.get_or_create("kvlab-redis", config, metadata, kv2ltd_connector(source, target),
                                                 lambda tensor, rank: None, lambda obj, rank: obj)
     engine.post_init()
     remote = next(b for b in engine.storage_manager.storage_backends.values() if type(b).__name__ == "RemoteBackend")

@@ -13,16 +13,15 @@ kvlab.experiments.scale_model scales to many hosts."""
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any, Callable, Sequence
 
 import torch
 
-from kvlab.cache.allocation import KVCache, allocate
+from kvlab.cache.allocation import KVCache
 from kvlab.cache.geometry import ModelGeometry
-from kvlab.experiments.network import _gather, _runs
+from kvlab.experiments.network import (_gather, _median, _runs, fetch_through, random_cache, scattered_prefix,
+                                       store_through)
 from kvlab.runtime.progress import progress
-from kvlab.store.chunk import Chunk
 from kvlab.store.keys import signature
 from kvlab.store.tiers import MooncakeTier, StoreStats
 from kvlab.transfer.engine import Transfer, host_buffer
@@ -148,32 +147,13 @@ class _Tier(_Way):
         return self.tier.round_trips
 
     def store(self) -> None:
-        for ids, keys in zip(self.chunks, self.keys):
-            buffer = host_buffer(self.cache, len(ids))
-            Transfer(self.cache, ids, buffer).run()
-            if not self.tier.put(Chunk(keys, buffer, self.signature).seal()):
-                raise RuntimeError("the mooncake tier did not store a chunk")
+        store_through(self.tier, self.cache, self.chunks, self.keys, self.signature)
 
     def fetch(self) -> None:
-        for ids, keys in zip(self.chunks, self.keys):
-            chunk_key = {found[0] for found in self.tier.locate_many(keys)}.pop()
-            chunk = self.tier.get(chunk_key)
-            if chunk is None:
-                raise RuntimeError("the mooncake tier lost a chunk")
-            Transfer(chunk.buffer, range(len(ids)), self.cache, ids).run()
+        fetch_through(self.tier, self.cache, self.chunks, self.keys)
 
 
 WAYS: dict[str, Callable[..., _Way]] = dict(zip(STRATEGIES, (_PerRun, _Described, _Gathered, _Tier)))
-
-
-def _timed(way: Callable[[], None], reset: Callable[[], None], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        reset()
-        start = time.perf_counter()
-        way()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def ready_objects(tier: MooncakeTier, sizes: Sequence[int], repeats: int = 5) -> tuple[float, float]:
@@ -183,8 +163,8 @@ def ready_objects(tier: MooncakeTier, sizes: Sequence[int], repeats: int = 5) ->
     keys = [f"{tier.prefix}ready:{i}" for i in range(len(sizes))]
     pointers, lengths = [b.data_ptr() for b in buffers], list(sizes)
     clear = lambda: tier.client.batch_remove(keys, True)  # noqa: E731
-    put = _timed(lambda: _ok(tier.client.batch_put_from(keys, pointers, lengths), "put"), clear, repeats)
-    get = _timed(lambda: _ok(tier.client.batch_get_into(keys, pointers, lengths), "get"), lambda: None, repeats)
+    put = _median(lambda: _ok(tier.client.batch_put_from(keys, pointers, lengths), "put"), repeats, clear)
+    get = _median(lambda: _ok(tier.client.batch_get_into(keys, pointers, lengths), "get"), repeats)
     clear()
     return put, get
 
@@ -195,19 +175,10 @@ def mooncake_prefix_costs(url: str, geometry: ModelGeometry, layouts: Sequence[s
     the Mooncake Store at ``url`` with each strategy, per layout: objects and descriptors per
     chunk, batch calls, median seconds over ``repeats``, the store's pace for the same bytes
     as ready objects, and whether every fetched byte equals what was stored."""
-    if tokens % chunk_tokens or chunk_tokens % geometry.block_size:
-        raise ValueError(f"tokens ({tokens}) must be whole chunks of chunk_tokens ({chunk_tokens}), "
-                         f"and a chunk whole blocks of {geometry.block_size}")
-    blocks, per_chunk = tokens // geometry.block_size, chunk_tokens // geometry.block_size
-    generator = torch.Generator().manual_seed(seed)
-    block_ids = (2 * torch.randperm(blocks, generator=generator)).tolist()  # every other block: never adjacent
-    chunks = [block_ids[i:i + per_chunk] for i in range(0, blocks, per_chunk)]
+    block_ids, chunks, generator = scattered_prefix(geometry, tokens, chunk_tokens, seed)
     rows = []
     for layout in progress(layouts, desc="layouts", unit="layout"):
-        cache = allocate(layout, geometry, 2 * blocks)
-        for tensor in cache.storage:
-            tensor.view(-1).view(torch.uint8).copy_(torch.randint(0, 256, (tensor.numel() * tensor.element_size(),),
-                                                                  dtype=torch.uint8, generator=generator))
+        cache = random_cache(layout, geometry, 2 * len(block_ids), generator)
         expected = _gather(cache, block_ids)
         chunk_bytes = [len(ids) * geometry.block_bytes for ids in chunks]
         pace_store, pace_fetch = ready_objects(_client(url, f"pace-{layout}"), chunk_bytes, repeats)
@@ -215,10 +186,10 @@ def mooncake_prefix_costs(url: str, geometry: ModelGeometry, layouts: Sequence[s
             way = WAYS[strategy](_client(url, f"costs-{layout}-{STRATEGIES.index(strategy)}"), cache, chunks)
             way.clear()
             calls = way.calls
-            store_s = _timed(way.store, way.clear, repeats)
+            store_s = _median(way.store, repeats, way.clear)
             store_calls = way.calls - calls
             Transfer(host_buffer(cache, len(block_ids)), range(len(block_ids)), cache, block_ids).run()  # zeros
-            fetch_s = _timed(way.fetch, lambda: None, repeats)
+            fetch_s = _median(way.fetch, repeats)
             objects, descriptors = way.objects_and_descriptors()
             rows.append({
                 "store": "mooncake", "layout": layout, "cross_layer": cache.layout.is_cross_layer,

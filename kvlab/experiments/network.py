@@ -129,19 +129,29 @@ class _Tier:
         return 1.0 + statistics.mean(len(ids) for ids in self.chunks)  # the value, and a name per block
 
     def store(self) -> None:
-        for ids, keys in zip(self.chunks, self.keys):
-            buffer = host_buffer(self.cache, len(ids))
-            Transfer(self.cache, ids, buffer).run()
-            if not self.tier.put(Chunk(keys, buffer, self.signature).seal()):
-                raise RuntimeError("the Redis tier did not store a chunk")
+        store_through(self.tier, self.cache, self.chunks, self.keys, self.signature)
 
     def fetch(self) -> None:
-        for ids, keys in zip(self.chunks, self.keys):
-            chunk_key = {found[0] for found in self.tier.locate_many(keys)}.pop()
-            chunk = self.tier.get(chunk_key)
-            if chunk is None:
-                raise RuntimeError("the Redis tier lost a chunk")
-            Transfer(chunk.buffer, range(len(ids)), self.cache, ids).run()
+        fetch_through(self.tier, self.cache, self.chunks, self.keys)
+
+
+def store_through(tier: Any, cache: KVCache, chunks: list[list[int]], keys: list[list[str]], sig: str) -> None:
+    """A connector tier's store of a prefix: each chunk gathered, sealed (CRC32C) and put."""
+    for ids, chunk_keys in zip(chunks, keys):
+        buffer = host_buffer(cache, len(ids))
+        Transfer(cache, ids, buffer).run()
+        if not tier.put(Chunk(chunk_keys, buffer, sig).seal()):
+            raise RuntimeError(f"the {tier.name} tier did not store a chunk")
+
+
+def fetch_through(tier: Any, cache: KVCache, chunks: list[list[int]], keys: list[list[str]]) -> None:
+    """A connector tier's fetch of a prefix: its blocks located, each chunk read, checked and scattered."""
+    for ids, chunk_keys in zip(chunks, keys):
+        chunk_key = {found[0] for found in tier.locate_many(chunk_keys)}.pop()
+        chunk = tier.get(chunk_key)
+        if chunk is None:
+            raise RuntimeError(f"the {tier.name} tier lost a chunk")
+        Transfer(chunk.buffer, range(len(ids)), cache, ids).run()
 
 
 class _Ceiling:
@@ -161,9 +171,12 @@ class _Ceiling:
             self.client.get(f"{PREFIX}ceiling:{c}")
 
 
-def _median(fn: Callable[[], None], repeats: int) -> float:
+def _median(fn: Callable[[], None], repeats: int, reset: Callable[[], None] | None = None) -> float:
+    """Median seconds of ``fn`` over ``repeats``, ``reset`` (untimed) before each."""
     times = []
     for _ in range(repeats):
+        if reset is not None:
+            reset()
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
@@ -189,6 +202,29 @@ def _nodes(client: Any) -> list[Any]:
     return [client]
 
 
+def scattered_prefix(geometry: ModelGeometry, tokens: int, chunk_tokens: int,
+                     seed: int) -> tuple[list[int], list[list[int]], torch.Generator]:
+    """A ``tokens``-token prefix's blocks scattered in a cache of twice as many (every other
+    block, shuffled: no two adjacent, as vLLM's allocator leaves them after a while), split
+    into chunks of ``chunk_tokens``; and the generator that fills the caches."""
+    if tokens % chunk_tokens or chunk_tokens % geometry.block_size:
+        raise ValueError(f"tokens ({tokens}) must be whole chunks of chunk_tokens ({chunk_tokens}), "
+                         f"and a chunk whole blocks of {geometry.block_size}")
+    blocks, per_chunk = tokens // geometry.block_size, chunk_tokens // geometry.block_size
+    generator = torch.Generator().manual_seed(seed)
+    block_ids = (2 * torch.randperm(blocks, generator=generator)).tolist()
+    return block_ids, [block_ids[i:i + per_chunk] for i in range(0, blocks, per_chunk)], generator
+
+
+def random_cache(layout: str, geometry: ModelGeometry, blocks: int, generator: torch.Generator) -> KVCache:
+    """A cache of ``blocks`` blocks of random bytes."""
+    cache = allocate(layout, geometry, blocks)
+    for tensor in cache.storage:
+        tensor.view(-1).view(torch.uint8).copy_(torch.randint(0, 256, (tensor.numel() * tensor.element_size(),),
+                                                              dtype=torch.uint8, generator=generator))
+    return cache
+
+
 def redis_prefix_costs(url: str, geometry: ModelGeometry, layouts: Sequence[str] = ("LBHNC", "BLHNC"),
                        tokens: int = 2048, chunk_tokens: int = 256, repeats: int = 5, seed: int = 0) -> list[dict]:
     """Store and fetch a ``tokens``-token prefix of random KV through the Redis server at
@@ -197,22 +233,12 @@ def redis_prefix_costs(url: str, geometry: ModelGeometry, layouts: Sequence[str]
     byte equals what was stored. The blocks are scattered in the cache (as vLLM's
     allocator leaves them after a while), so no two are adjacent. On a Redis Cluster, also
     how many of its nodes the prefix's objects landed on."""
-    if tokens % chunk_tokens or chunk_tokens % geometry.block_size:
-        raise ValueError(f"tokens ({tokens}) must be whole chunks of chunk_tokens ({chunk_tokens}), "
-                         f"and a chunk whole blocks of {geometry.block_size}")
+    block_ids, chunks, generator = scattered_prefix(geometry, tokens, chunk_tokens, seed)
     client = _client(url)
     nodes = _nodes(client)
-    blocks = tokens // geometry.block_size
-    per_chunk = chunk_tokens // geometry.block_size
-    generator = torch.Generator().manual_seed(seed)
-    block_ids = (2 * torch.randperm(blocks, generator=generator)).tolist()  # every other block: never adjacent
-    chunks = [block_ids[i:i + per_chunk] for i in range(0, blocks, per_chunk)]
     rows = []
     for layout in progress(layouts, desc="layouts", unit="layout"):
-        cache = allocate(layout, geometry, 2 * blocks)
-        for tensor in cache.storage:
-            tensor.view(-1).view(torch.uint8).copy_(torch.randint(0, 256, (tensor.numel() * tensor.element_size(),),
-                                                                  dtype=torch.uint8, generator=generator))
+        cache = random_cache(layout, geometry, 2 * len(block_ids), generator)
         expected = _gather(cache, block_ids)
         chunk_bytes = [len(ids) * geometry.block_bytes for ids in chunks]
         ceiling = _Ceiling(client, chunk_bytes)

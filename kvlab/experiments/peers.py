@@ -203,13 +203,12 @@ def _wait_for_keys(count: dict, timeout: float = 60) -> None:
 def _lmcache_child(job: dict) -> dict:
     """LMCache's engine beside a transformers model: A prefills, decodes, stores; B
     retrieves, recomputes the last prompt token, decodes."""
-    from kvlab.experiments.lmcache_redis import _NoVLLM
+    from kvlab.experiments.lmcache_redis import _NoVLLM, kv2ltd_connector
 
     sys.meta_path.insert(0, _NoVLLM())
     import torch
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
     from lmcache.v1.config import LMCacheEngineConfig
-    from lmcache.v1.gpu_connector import GPUConnectorInterface
     from lmcache.v1.metadata import LMCacheMetadata
     from transformers import AutoModelForCausalLM, DynamicCache
 
@@ -222,33 +221,13 @@ def _lmcache_child(job: dict) -> dict:
     n = len(prompt)
     kv = torch.zeros(2, layers, n, heads * head_size)  # LMCache's KV_2LTD, the "device" it copies to and from
 
-    class _CPUConnector(GPUConnectorInterface):
-        """KV_2LTD copies between ``kv`` and LMCache's memory objects."""
-
-        def from_gpu(self, memory_obj, start, end, **kwargs):
-            memory_obj.tensor.copy_(kv[:, :, start:end])
-
-        def to_gpu(self, memory_obj, start, end, **kwargs):
-            kv[:, :, start:end].copy_(memory_obj.tensor)
-
-        def batched_from_gpu(self, memory_objs, starts, ends, **kwargs):
-            for obj, start, end in zip(memory_objs, starts, ends):
-                self.from_gpu(obj, start, end)
-
-        def batched_to_gpu(self, memory_objs=None, starts=None, ends=None, **kwargs):
-            for obj, start, end in zip(memory_objs, starts, ends):
-                self.to_gpu(obj, start, end)
-
-        def get_shape(self, num_tokens):
-            return torch.Size([2, layers, num_tokens, heads * head_size])
-
     engine_config = LMCacheEngineConfig.from_defaults(
         chunk_size=LMCACHE_CHUNK, local_cpu=False, max_local_cpu_size=0.5, remote_url=job["url"],
         remote_serde="naive", save_unfull_chunk=True, enable_async_loading=False, extra_config=job["extra"] or None)
     metadata = LMCacheMetadata(model_name=Path(job["model"]).name, world_size=1, local_world_size=1, worker_id=0,
                                local_worker_id=0, kv_dtype=torch.float32,
                                kv_shape=(layers, 2, LMCACHE_CHUNK, heads, head_size), chunk_size=LMCACHE_CHUNK)
-    engine = LMCacheEngineBuilder.get_or_create("kvlab-peer", engine_config, metadata, _CPUConnector(),
+    engine = LMCacheEngineBuilder.get_or_create("kvlab-peer", engine_config, metadata, kv2ltd_connector(kv, kv),
                                                 lambda tensor, rank: None, lambda obj, rank: obj)
     engine.post_init()
 

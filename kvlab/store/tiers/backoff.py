@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any, Callable
 
 logger = logging.getLogger("kvlab.store")
 
@@ -43,3 +44,24 @@ class Backoff:
         if kind not in self._logged:
             self._logged.add(kind)
             logger.warning(message, *args)
+
+    def call(self, stats: Any, kind: str, operation: Callable[[], Any], errors: tuple[type[BaseException], ...],
+             where: str, skipped: str) -> Any:
+        """``operation()`` for a shared tier, or None: while paused (a write counted in
+        ``stats.<skipped>``), or when it raises one of ``errors`` (a read or write error
+        counted, logged once naming ``where``, and a pause started)."""
+        if self.paused:
+            if kind == "write":
+                setattr(stats, skipped, getattr(stats, skipped) + 1)
+            return None
+        try:
+            result = operation()
+        except errors as error:
+            stats.write_errors += kind == "write"
+            stats.read_errors += kind == "read"
+            pause = self.fail()
+            self.log_once(kind, "KVLabConnector store: %s failed a %s (%s); the tier pauses for %g s, then less "
+                          "often; requests go on", where, kind, error, pause)
+            return None
+        self.succeed()
+        return result

@@ -7,7 +7,6 @@ tier does; a full store is not a fault: the master evicts, the write is skipped 
 from __future__ import annotations
 
 import ctypes
-import io
 import os
 import re
 import socket
@@ -16,9 +15,9 @@ from urllib.parse import parse_qsl, urlsplit
 
 import torch
 
-from kvlab.store.chunk import Chunk, ForgedChunk, Header, encode_header, from_bytes, parse_header
-from kvlab.store.keys import valid_key
+from kvlab.store.chunk import Chunk, ForgedChunk, Header, encode_header, from_bytes
 from kvlab.store.tiers.backoff import Backoff
+from kvlab.store.tiers.remote import checked_header, location
 from kvlab.store.tiers.stats import StoreStats
 
 # Mooncake's error codes (mooncake-store/include/types.h) the tier tells apart.
@@ -109,35 +108,14 @@ class MooncakeTier:
     def locate_many(self, block_keys: list[str]) -> list[tuple[str, int] | None]:
         """Every block's chunk and position, in one batch."""
         values = self._values([self.prefix + "b/" + key for key in block_keys])
-        return [self._location(value) for value in values]
-
-    @staticmethod
-    def _location(value: bytes | None) -> tuple[str, int] | None:
-        if not value:
-            return None
-        chunk_key, _, position = value.decode(errors="replace").partition(":")
-        return (chunk_key, int(position)) if valid_key(chunk_key) and position.isdigit() else None
+        return [location(value) for value in values]
 
     def describe_many(self, chunk_keys: list[str]) -> list[Header | None]:
         """Each chunk's header object, checked against the schema, in one batch; the payload
         crosses once, to the worker that loads it. None for a missing or bad one (a bad one
         is dropped), or, with ``auth_key``, one without a MAC."""
-        heads = []
-        for key, head in zip(chunk_keys, self._values([self.prefix + "h/" + key for key in chunk_keys])):
-            if head is None:
-                heads.append(None)
-                continue
-            try:
-                header = parse_header(io.BytesIO(head), key, None)
-                if self.auth_key is not None and header.mac is None:
-                    raise ForgedChunk("no MAC, and this store has an auth_key")
-            except ValueError as error:
-                self.stats.bad_headers += not isinstance(error, ForgedChunk)
-                self.stats.forged += isinstance(error, ForgedChunk)
-                self._reject(key, error)
-                header = None
-            heads.append(header)
-        return heads
+        heads = self._values([self.prefix + "h/" + key for key in chunk_keys])
+        return [None if head is None else checked_header(self, key, head, None) for key, head in zip(chunk_keys, heads)]
 
     def get(self, chunk_key: str) -> Chunk | None:
         """The chunk, fetched straight into memory of its own and checked."""
@@ -235,23 +213,16 @@ class MooncakeTier:
         return self._call("read", read) or [None] * len(names)
 
     def _call(self, kind: str, operation: Callable[[], Any]) -> Any:
-        if self._backoff.paused:
-            self.stats.mooncake_skipped += kind == "write"
-            return None
-        self.round_trips += 1
-        try:
+        def checked() -> Any:
             if self._setup != 0 or self.client.health_check() != 0:
                 raise OSError("the master does not answer")
-            result = operation()
-        except (OSError, RuntimeError) as error:  # Mooncake's error codes (as OSError) and its own exceptions
-            self.stats.write_errors += kind == "write"
-            self.stats.read_errors += kind == "read"
-            pause = self._backoff.fail()
-            self._backoff.log_once(kind, "KVLabConnector store: Mooncake at %s failed a %s (%s); the tier pauses for "
-                                   "%g s, then less often; requests go on", self.url, kind, error, pause)
-            return None
-        self._backoff.succeed()
-        return result
+            return operation()
+
+        if not self._backoff.paused:
+            self.round_trips += 1
+        # Mooncake's error codes (raised as OSError) and its own exceptions
+        return self._backoff.call(self.stats, kind, checked, (OSError, RuntimeError), f"Mooncake at {self.url}",
+                                  "mooncake_skipped")
 
     def _reject(self, chunk_key: str, error: Exception) -> None:
         self.stats.corrupt += 1

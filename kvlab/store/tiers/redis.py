@@ -5,14 +5,13 @@ its own (kvlab.store.tiers.redis_cluster)."""
 
 from __future__ import annotations
 
-import io
 from typing import Any, Callable
 
-from kvlab.store.chunk import HEADER_PREFIX, Chunk, ForgedChunk, Header, from_bytes, header_length, parse_header, to_bytes
-from kvlab.store.keys import valid_key
+from kvlab.store.chunk import HEADER_PREFIX, Chunk, ForgedChunk, Header, from_bytes, header_length, to_bytes
 from kvlab.store.secrets import is_cluster_url, redact, resolve_redis_url
 from kvlab.store.tiers.backoff import Backoff
 from kvlab.store.tiers.redis_cluster import ClusterNodes, node_errors
+from kvlab.store.tiers.remote import checked_header, location
 from kvlab.store.tiers.resp import BulkReader
 from kvlab.store.tiers.stats import StoreStats
 
@@ -76,14 +75,7 @@ class RedisTier:
             values = self._send("read", [("GET", name) for name in names])
         else:
             values = self._call("read", lambda: self.client.mget(names))
-        return [self._location(value) for value in values or [None] * len(block_keys)]
-
-    @staticmethod
-    def _location(value: bytes | None) -> tuple[str, int] | None:
-        if not value:
-            return None
-        chunk_key, _, position = value.decode(errors="replace").partition(":")
-        return (chunk_key, int(position)) if valid_key(chunk_key) and position.isdigit() else None
+        return [location(value) for value in values or [None] * len(block_keys)]
 
     def describe_many(self, chunk_keys: list[str]) -> list[Header | None]:
         """Each chunk's header, checked against the schema and the value's length, in one
@@ -105,20 +97,14 @@ class RedisTier:
             if not size or head is None:
                 heads.append(None)
                 continue
-            try:
+            def complete(head: bytes, name: str = name) -> bytes:
                 length = header_length(head)
                 if length > len(head):  # a long header: the rest of it
                     rest = ranges([(name, len(head), length - 1)])
                     head += rest[1] if rest and rest[1] else b""
-                header = parse_header(io.BytesIO(head), key, size)
-                if self.auth_key is not None and header.mac is None:
-                    raise ForgedChunk("no MAC, and this store has an auth_key")
-            except ValueError as error:
-                self.stats.bad_headers += not isinstance(error, ForgedChunk)
-                self.stats.forged += isinstance(error, ForgedChunk)
-                self._reject(key, error)
-                header = None
-            heads.append(header)
+                return head
+
+            heads.append(checked_header(self, key, head, size, complete))
         return heads
 
     def get(self, chunk_key: str) -> Chunk | None:
@@ -192,21 +178,9 @@ class RedisTier:
         return None if failures and kind == "write" else replies
 
     def _call(self, kind: str, operation: Callable[[], Any]) -> Any:
-        if self._backoff.paused:
-            self.stats.redis_skipped += kind == "write"
-            return None
-        try:
+        if not self._backoff.paused:
             self.round_trips += 1
-            result = operation()
-        except self._errors as error:
-            self.stats.write_errors += kind == "write"
-            self.stats.read_errors += kind == "read"
-            pause = self._backoff.fail()
-            self._backoff.log_once(kind, "KVLabConnector store: Redis at %s failed a %s (%s); the tier pauses for "
-                                   "%g s, then less often; requests go on", self.url, kind, error, pause)
-            return None
-        self._backoff.succeed()
-        return result
+        return self._backoff.call(self.stats, kind, operation, self._errors, f"Redis at {self.url}", "redis_skipped")
 
     def _reject(self, chunk_key: str, error: Exception) -> None:
         self.stats.corrupt += 1
