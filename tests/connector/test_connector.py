@@ -213,7 +213,7 @@ def test_full_store_evicts_and_never_fails() -> None:
     ({"chunk_size": -32}, "chunk_size must be a positive integer"),
     ({"method": "teleport"}, "method must be 'auto' or one of"),
     ({"verify": "never"}, "verify must be 'always' or 'disk'"),
-    ({"tiers": ["memory", "s3"]}, r"tiers must name each of \['memory', 'shm', 'disk', 'redis'\]"),
+    ({"tiers": ["memory", "s3"]}, r"tiers must name each of \['memory', 'shm', 'disk', 'redis', 'mooncake'\]"),
     ({"tiers": ["memory", "memory"]}, "at most once"),
     ({"tiers": "memory"}, "tiers must be a list of tier names"),
     ({"tiers": []}, "tiers must be a list of tier names"),
