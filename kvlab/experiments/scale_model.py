@@ -24,7 +24,7 @@ scaled: a model that does not predict its own host is not scaled."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Sequence
 
 from kvlab.cache.geometry import ModelGeometry
@@ -74,11 +74,18 @@ def redis_object_pace(url: str, total_bytes: int = 8 << 20, object_bytes: Sequen
 
 
 def fit_stores(pace_rows: Iterable[dict[str, Any]]) -> list[CostFit]:
-    """A per-object and per-byte fit per store and direction ("put", "get") from pace rows."""
+    """A per-object and per-byte fit per store and direction ("put", "get") from pace rows,
+    to 6 significant digits: the least squares' last bits follow torch's thread count, and a
+    figure drawn from the fit must come out the same on every machine."""
     rows = [{"status": "ok", "segments": r["objects"], "bytes": r["bytes"], "seconds": r[f"{d}_s"],
              "direction": d, "method": r["store"], "hardware": r.get("hardware") or "?"}
             for r in pace_rows for d in ("put", "get")]
-    return fit(rows)
+    return [replace(f, per_segment_s=_digits(f.per_segment_s), bandwidth=_digits(f.bandwidth),
+                    mean_abs_error=_digits(f.mean_abs_error)) for f in fit(rows)]
+
+
+def _digits(value: float) -> float:
+    return float(f"{value:.6g}")
 
 
 def objects_per_prefix(way: str, layout: str, geometry: ModelGeometry, tokens: int, chunk_tokens: int) -> int:
