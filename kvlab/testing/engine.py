@@ -272,11 +272,11 @@ def _child(job_path: str, out_path: str) -> None:
             _reset(llm, in_process, reset_connector=True)
         if phase in DAMAGE_PHASES:
             llm.collective_rpc(worker_calls.damage_memory, args=(DAMAGE_PHASES[phase],))
-        if phase == "warm-redis-down":
+        if phase == "warm-redis-down" and phase not in result["phases"]:  # once, before its first prompt
             from kvlab.runtime.redis import shut_down
 
             shut_down(spec.extra["redis_url"])
-        if phase == "warm-mooncake-down":
+        if phase == "warm-mooncake-down" and phase not in result["phases"]:
             from kvlab.runtime.mooncake import shut_down
 
             shut_down(spec.extra["mooncake_url"])
