@@ -3,7 +3,7 @@ the second run of a prompt is served from the connector and changes nothing, in 
 default process layout (scheduler and worker in different processes; one process, layerwise
 and the hooks, per-layer and cross-layer: test_backend_engine.py);
 other engines in other processes hit through shared memory, a real 3-node Redis Cluster and
-a real Mooncake Store, and survive the cluster's node or Mooncake's master dying; tensor-parallel ranks each keep their own shard, and a load that fails its check
+a real Mooncake Store, and survive a cluster node and then Mooncake's master dying; tensor-parallel ranks each keep their own shard, and a load that fails its check
 is recomputed with the same tokens (damaged entries, full and read-only disks:
 test_faults_engine.py). Each engine runs in its own process (kvlab.testing.engine)."""
 
@@ -33,17 +33,17 @@ def test_vllms_default_processes_serve_repeats_and_other_engines_hit(smollm2, pr
     """Engine A, in vLLM's default process layout (scheduler and worker apart), serves its
     repeats from memory and writes through to a shared-memory folder, a real 3-node Redis
     Cluster and a real Mooncake Store (its master and a segment process); engine B, another
-    process on this host, reads the shared memory only; engines C and D, standing in for
-    other hosts, read only the cluster and only Mooncake. Every warm run hits every loadable
-    block and generates bitwise what A computed. Then, as a crash would, C's seed node of
-    the cluster dies (its chunks miss, the other nodes' still hit: the tokens stay within the
-    split drift of A's cold run) and D's Mooncake master dies (every prompt recomputed whole:
-    A's cold tokens, bitwise); no request waits 10 s. Tier-level faults (a full segment, a
-    damaged chunk, a store down at start-up): tests/store/test_mooncake_tier.py and
-    tests/store/test_redis_cluster_tier.py."""
+    process on this host, reads the shared memory only; engine C, standing in for another
+    host, reads the cluster, then Mooncake. Every warm run hits every loadable block and
+    generates bitwise what A computed. Then, as crashes would, the cluster's seed node dies
+    under C (what it held is read from Mooncake instead: every block still hits, bitwise),
+    then Mooncake's master too (only that node's chunks miss: tokens within the split drift
+    of A's cold run); no request waits 10 s. Tier-level faults (a full segment, a damaged
+    chunk, a store down at start-up, a dead node counted): tests/store/test_mooncake_tier.py,
+    tests/store/test_redis_cluster_tier.py and tests/connector/test_cluster_deployed.py."""
     shm = str(tmp_path / "shm")
     common = {"dtype": "float32", "max_tokens": 8, "multiprocessing": True}
-    with MooncakeStore(segment_mb=256, log_dir=tmp_path) as mooncake:  # its own: D kills its master
+    with MooncakeStore(segment_mb=256, log_dir=tmp_path) as mooncake:  # its own: C kills its master
         writer = {"tiers": ["memory", "shm", "redis", "mooncake"], "shm_path": shm, "redis_url": redis_cluster.url,
                   "mooncake_url": mooncake.url, "chunk_size": 64}
         first = run_engine(EngineSpec(smollm2, "kvlab", writer, prefix_caching=True, phases=CONTROLLED, **common),
@@ -54,28 +54,24 @@ def test_vllms_default_processes_serve_repeats_and_other_engines_hit(smollm2, pr
         assert stats["loaded_blocks"] == sum(hit // 32 for hit in loadable(prompts))
         assert stats["save_errors"] == 0 and any(Path(shm).iterdir()) and mooncake.keys() > 0
         assert all(count > 0 for count in redis_cluster.keys_per_node()), "the chunks spread over every node"
-        readers = (("shm", {"tiers": ["shm"], "shm_path": shm}, None),
-                   ("redis", {"tiers": ["redis"], "redis_url": redis_cluster.url}, "warm-redis-down"),
-                   ("mooncake", {"tiers": ["mooncake"], "mooncake_url": mooncake.url}, "warm-mooncake-down"))
-        for tier, extra, fault in readers:
-            other = run_engine(EngineSpec(smollm2, "kvlab", extra, phases=("warm", fault) if fault else ("warm",),
-                                          **common), prompts)
-            assert hits(other, "warm") == loadable(prompts), tier
-            assert other["connector"]["default"]["store"][f"{tier}_reads"] > 0, tier
-            assert bitwise(first, other, "warm", "warm"), tier  # both load the same prefix: the same split
-            if fault is None:
-                continue
-            assert all(row["seconds"] < 10 for row in other["phases"][fault]), tier
-            if tier == "redis":  # the cluster's seed node: what it served misses (counted by the scheduler's
-                # lookups: tests/connector/test_cluster_deployed.py), the other nodes' chunks still hit
-                assert sum(hits(other, fault)) < sum(loadable(prompts))
-                assert within_split_drift(first, other, "cold", fault)
-                continue
-            # the Mooncake master: every prompt recomputed whole, as A's cold run was, and the
-            # worker's saves of it fail, counted
-            assert hits(other, fault) == [0, 0] and bitwise(first, other, "cold", fault)
-            store = other["connector"]["default"]["store"]
-            assert store["read_errors"] + store["write_errors"] + other["connector"]["default"]["load_errors"] > 0
+        shared = run_engine(EngineSpec(smollm2, "kvlab", {"tiers": ["shm"], "shm_path": shm}, phases=("warm",),
+                                       **common), prompts)
+        remote = {"tiers": ["redis", "mooncake"], "redis_url": redis_cluster.url, "mooncake_url": mooncake.url}
+        other = run_engine(EngineSpec(smollm2, "kvlab", remote, phases=("warm", "warm-redis-down", "warm-mooncake-down"),
+                                      **common), prompts)
+    for engine, tier in ((shared, "shm"), (other, "redis")):
+        assert hits(engine, "warm") == loadable(prompts), tier
+        assert bitwise(first, engine, "warm", "warm"), tier  # both load the same prefix: the same split
+    assert shared["connector"]["default"]["store"]["shm_reads"] > 0
+    # the cluster's seed node dies: what it held comes from Mooncake, every block still hits
+    assert hits(other, "warm-redis-down") == loadable(prompts) and bitwise(first, other, "warm", "warm-redis-down")
+    store = other["connector"]["default"]["store"]
+    assert store["redis_reads"] > 0 and store["mooncake_reads"] > 0
+    # then Mooncake's master: only the dead node's chunks miss, and are recomputed
+    assert sum(hits(other, "warm-mooncake-down")) < sum(loadable(prompts))
+    assert within_split_drift(first, other, "cold", "warm-mooncake-down")
+    assert all(row["seconds"] < 10 for phase in ("warm-redis-down", "warm-mooncake-down")
+               for row in other["phases"][phase])
 
 
 def test_tensor_parallel_ranks_store_their_shards_and_a_failed_load_is_recomputed() -> None:
