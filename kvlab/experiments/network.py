@@ -21,6 +21,7 @@ import torch
 
 from kvlab.cache.allocation import KVCache, allocate
 from kvlab.cache.geometry import ModelGeometry
+from kvlab.experiments.timing import check_positive_int
 from kvlab.runtime.progress import progress
 from kvlab.store.chunk import Chunk
 from kvlab.store.keys import signature
@@ -173,6 +174,7 @@ class _Ceiling:
 
 def _median(fn: Callable[[], None], repeats: int, reset: Callable[[], None] | None = None) -> float:
     """Median seconds of ``fn`` over ``repeats``, ``reset`` (untimed) before each."""
+    check_positive_int("repeats", repeats)
     times = []
     for _ in range(repeats):
         if reset is not None:
@@ -207,6 +209,8 @@ def scattered_prefix(geometry: ModelGeometry, tokens: int, chunk_tokens: int,
     """A ``tokens``-token prefix's blocks scattered in a cache of twice as many (every other
     block, shuffled: no two adjacent, as vLLM's allocator leaves them after a while), split
     into chunks of ``chunk_tokens``; and the generator that fills the caches."""
+    check_positive_int("tokens", tokens)
+    check_positive_int("chunk_tokens", chunk_tokens)
     if tokens % chunk_tokens or chunk_tokens % geometry.block_size:
         raise ValueError(f"tokens ({tokens}) must be whole chunks of chunk_tokens ({chunk_tokens}), "
                          f"and a chunk whole blocks of {geometry.block_size}")

@@ -30,6 +30,7 @@ from typing import Any, Iterable, Sequence
 from kvlab.cache.geometry import ModelGeometry
 from kvlab.cache.segments import transfer_cost
 from kvlab.experiments.costmodel import CostFit, fit
+from kvlab.experiments.timing import check_positive_int
 from kvlab.runtime.progress import progress
 
 # The ways a prefix is laid out as objects, by how many objects a chunk becomes.
@@ -45,6 +46,7 @@ def redis_object_pace(url: str, total_bytes: int = 8 << 20, object_bytes: Sequen
 
     from kvlab.experiments.network import _client
 
+    check_sizes(total_bytes, object_bytes, repeats)
     client = _client(url)
     store = "redis cluster" if hasattr(client, "get_primaries") else "redis"
     rows = []
@@ -71,6 +73,16 @@ def redis_object_pace(url: str, total_bytes: int = 8 << 20, object_bytes: Sequen
         rows.append({"store": store, "object_bytes": size, "objects": count, "bytes": size * count,
                      "put_s": put, "get_s": get})
     return rows
+
+
+def check_sizes(total_bytes: int, object_bytes: Sequence[int], repeats: int) -> None:
+    """ValueError unless a pace sweep's sizes and repeats are positive integers."""
+    check_positive_int("total_bytes", total_bytes)
+    check_positive_int("repeats", repeats)
+    if not object_bytes:
+        raise ValueError("object_bytes must name at least one object size")
+    for size in object_bytes:
+        check_positive_int("each of object_bytes", size)
 
 
 def fit_stores(pace_rows: Iterable[dict[str, Any]]) -> list[CostFit]:
@@ -108,6 +120,10 @@ class Deployment:
     tokens: int = 2048
     chunk_tokens: int = 256
     servers: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("hosts", "prefixes", "tokens", "chunk_tokens", "servers"):
+            check_positive_int(name, getattr(self, name))
 
     def seconds(self, cost: CostFit, objects: int, nbytes: int) -> dict[str, float]:
         """The host-bound and server-bound times and the predicted one (their max)."""

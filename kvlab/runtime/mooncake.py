@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import urllib.error
 import urllib.request
@@ -28,7 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from kvlab.runtime.servers import HOST, ManagedServer, ServerError, free_port
+from kvlab.runtime.servers import HOST, ManagedServer, ServerError, check_port_free, free_port
+from kvlab.store.tiers.remote import reachable
 
 MASTER_PORTS = ("port", "metadata_port", "metrics_port")
 
@@ -48,12 +48,6 @@ def mooncake_binary(name: str) -> Path:
     if not path.is_file():
         raise MooncakeError(f"the Mooncake wheel has no {name} at {path}")
     return path
-
-
-def _answers(port: int) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(0.5)
-        return sock.connect_ex((HOST, port)) == 0
 
 
 @dataclass
@@ -81,8 +75,8 @@ class MooncakeMaster(ManagedServer):
         for name in MASTER_PORTS:
             if getattr(self, name) is None:
                 setattr(self, name, free_port())
-            elif _answers(getattr(self, name)):
-                raise MooncakeError(f"port {getattr(self, name)} on {HOST} is taken; pass another {name} or none")
+            else:
+                check_port_free(HOST, getattr(self, name), MooncakeError)
 
     def command(self) -> list[str]:
         return [str(mooncake_binary("mooncake_master")), f"--rpc_address={HOST}", f"--rpc_port={self.port}",
@@ -96,7 +90,8 @@ class MooncakeMaster(ManagedServer):
         return dict(os.environ)
 
     def _ready(self) -> bool:
-        return _answers(self.port) and _answers(self.metadata_port) and self.health().get("service_ready") is True
+        return (reachable(HOST, self.port, 0.5) and reachable(HOST, self.metadata_port, 0.5)
+                and self.health().get("service_ready") is True)
 
     def health(self) -> dict[str, Any]:
         """The master's own health report ({} when it does not answer)."""
@@ -172,8 +167,10 @@ class MooncakeStore:
     segment: MooncakeSegment | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.segment_mb, bool) or not isinstance(self.segment_mb, int) or self.segment_mb <= 0:
-            raise ValueError(f"segment_mb must be a positive integer, got {self.segment_mb!r}")
+        for name in ("segment_mb", "lease_ms"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
     def _log(self, name: str) -> Path | None:
         return None if self.log_dir is None else Path(self.log_dir) / f"mooncake-{name}.log"

@@ -30,6 +30,10 @@ def test_every_strategy_round_trips_and_counts_objects(redis_server):
 def test_a_prefix_that_is_not_whole_chunks_is_refused(redis_server):
     with pytest.raises(ValueError, match="whole chunks"):
         redis_prefix_costs(redis_server.url, GEOMETRY, tokens=100, chunk_tokens=64)
+    with pytest.raises(ValueError, match="chunk_tokens must be a positive integer"):
+        redis_prefix_costs(redis_server.url, GEOMETRY, tokens=128, chunk_tokens=0)
+    with pytest.raises(ValueError, match="repeats must be a positive integer"):
+        redis_prefix_costs(redis_server.url, GEOMETRY, tokens=128, chunk_tokens=64, repeats=0)
 
 
 def test_on_a_cluster_a_chunks_objects_share_a_node_and_the_prefix_spreads(redis_cluster):

@@ -59,3 +59,21 @@ def test_calibration_compares_the_model_with_the_measured_prefixes() -> None:
     rows = calibration(fits, [measured, {**measured, "strategy": "kvlab mooncake tier"}])
     assert [r["phase"] for r in rows] == ["store", "fetch"] and rows[0]["objects"] == 192
     assert rows[0]["predicted_s"] == pytest.approx(192 * PER_OBJECT + (1 << 20) * PER_BYTE)
+
+
+@pytest.mark.parametrize("field", ["hosts", "prefixes", "tokens", "chunk_tokens", "servers"])
+@pytest.mark.parametrize("value", [0, -3, 2.5, True])
+def test_a_deployment_of_nothing_is_refused(field: str, value) -> None:
+    with pytest.raises(ValueError, match=f"{field} must be a positive integer"):
+        Deployment(**{field: value})
+
+
+def test_bad_pace_sizes_are_refused() -> None:
+    from kvlab.experiments.scale_model import check_sizes
+
+    with pytest.raises(ValueError, match="at least one"):
+        check_sizes(1 << 20, (), 3)
+    with pytest.raises(ValueError, match="object_bytes must be a positive integer"):
+        check_sizes(1 << 20, (4096, 0), 3)
+    with pytest.raises(ValueError, match="repeats must be a positive integer"):
+        check_sizes(1 << 20, (4096,), 0)

@@ -134,3 +134,5 @@ def test_bad_urls_are_named(url: str, message: str) -> None:
 def test_the_store_needs_a_positive_segment_size() -> None:
     with pytest.raises(ValueError, match="segment_mb"):
         MooncakeStore(segment_mb=0)
+    with pytest.raises(ValueError, match="lease_ms must be a positive integer"):
+        MooncakeStore(lease_ms=-1)

@@ -17,7 +17,7 @@ import torch
 
 from kvlab.store.chunk import Chunk, ForgedChunk, Header, encode_header, from_bytes
 from kvlab.store.tiers.backoff import Backoff
-from kvlab.store.tiers.remote import checked_header, location
+from kvlab.store.tiers.remote import checked_header, drop_corrupt, location, reachable
 from kvlab.store.tiers.stats import StoreStats
 
 # Mooncake's error codes (mooncake-store/include/types.h) the tier tells apart.
@@ -46,14 +46,6 @@ def parse_mooncake_url(url: str) -> dict[str, Any]:
     if not re.fullmatch(r"[A-Za-z0-9_-]+", namespace):
         raise ValueError(f"mooncake_url's namespace must be letters, digits, '-' and '_', got {namespace!r}")
     return {"host": parts.hostname, "port": port, "metadata_port": metadata_port, "namespace": namespace}
-
-
-def _answers(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S):
-            return True
-    except OSError:
-        return False
 
 
 def _local_address(master_host: str) -> str:
@@ -85,7 +77,7 @@ class MooncakeTier:
         self.prefix = where["namespace"] + "/"
         self.client = MooncakeDistributedStore()
         # Mooncake retries a master that is not there for 90 s: a closed port is a quick "no" here
-        if all(_answers(where["host"], where[port]) for port in ("port", "metadata_port")):
+        if all(reachable(where["host"], where[port], CONNECT_TIMEOUT_S) for port in ("port", "metadata_port")):
             self._setup = self.client.setup(_local_address(where["host"]),
                                             f"http://{where['host']}:{where['metadata_port']}/metadata", segment_bytes,
                                             LOCAL_BUFFER_BYTES, "tcp", "", f"{where['host']}:{where['port']}")
@@ -93,7 +85,6 @@ class MooncakeTier:
             self._setup = -1
         self._backoff = Backoff()
         self.round_trips = 0
-        self.objects_put = 0
 
     def check(self) -> None:
         """Raise ValueError naming the master unless this client reached it (at start-up)."""
@@ -166,9 +157,7 @@ class MooncakeTier:
             keys = [self.prefix + "h/" + chunk.key] + [self.prefix + "b/" + key for key in chunk.block_keys]
             pointers = [header.data_ptr()] + [small.data_ptr() + offset for offset in offsets[:-1]]
             sizes = [header.numel()] + [len(value) for value in names]
-            stored = self._stored(self.client.batch_put_from(keys, pointers, sizes))
-            self.objects_put += 1 + len(keys)
-            return stored
+            return self._stored(self.client.batch_put_from(keys, pointers, sizes))
 
         return bool(self._call("write", write))
 
@@ -225,10 +214,7 @@ class MooncakeTier:
                                   "mooncake_skipped")
 
     def _reject(self, chunk_key: str, error: Exception) -> None:
-        self.stats.corrupt += 1
-        self._backoff.log_once("corrupt", "KVLabConnector store: dropping Mooncake chunk %s (%s); recomputing instead",
-                               chunk_key, error)
-        self.discard(chunk_key)
+        drop_corrupt(self, self._backoff, "Mooncake", chunk_key, error)
 
 
 def open_mooncake(settings) -> MooncakeTier | None:  # noqa: ANN001 - a KVStore (kvlab.store.tiers.registry)

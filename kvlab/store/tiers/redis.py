@@ -11,7 +11,7 @@ from kvlab.store.chunk import HEADER_PREFIX, Chunk, ForgedChunk, Header, from_by
 from kvlab.store.secrets import is_cluster_url, redact, resolve_redis_url
 from kvlab.store.tiers.backoff import Backoff
 from kvlab.store.tiers.redis_cluster import ClusterNodes, node_errors
-from kvlab.store.tiers.remote import checked_header, location
+from kvlab.store.tiers.remote import checked_header, drop_corrupt, location
 from kvlab.store.tiers.resp import BulkReader
 from kvlab.store.tiers.stats import StoreStats
 
@@ -183,10 +183,7 @@ class RedisTier:
         return self._backoff.call(self.stats, kind, operation, self._errors, f"Redis at {self.url}", "redis_skipped")
 
     def _reject(self, chunk_key: str, error: Exception) -> None:
-        self.stats.corrupt += 1
-        self._backoff.log_once("corrupt", "KVLabConnector store: dropping Redis chunk %s (%s); recomputing instead",
-                               chunk_key, error)
-        self.discard(chunk_key)
+        drop_corrupt(self, self._backoff, "Redis", chunk_key, error)
 
 
 def open_redis(settings) -> RedisTier | None:  # noqa: ANN001 - a KVStore (kvlab.store.tiers.registry)

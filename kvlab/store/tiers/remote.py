@@ -1,9 +1,11 @@
-"""What the remote tiers (Redis, Mooncake) read the same way: a block's name ("<chunk>:<position>")
-and a chunk's header, checked before its payload is fetched."""
+"""What the remote tiers (Redis, Mooncake) do the same way: read a block's name
+("<chunk>:<position>") and a chunk's header, checked before its payload is fetched; drop a
+damaged chunk; tell whether a server's port answers."""
 
 from __future__ import annotations
 
 import io
+import socket
 from typing import Any, Callable
 
 from kvlab.store.chunk import ForgedChunk, Header, parse_header
@@ -34,3 +36,21 @@ def checked_header(tier: Any, key: str, head: bytes, size: int | None,
         tier._reject(key, error)
         return None
     return header
+
+
+def drop_corrupt(tier: Any, backoff: Any, label: str, chunk_key: str, error: Exception) -> None:
+    """A damaged chunk of ``tier``: counted, logged once (on its ``backoff``), removed, so it
+    is recomputed and never promised again."""
+    tier.stats.corrupt += 1
+    backoff.log_once("corrupt", "KVLabConnector store: dropping %s chunk %s (%s); recomputing instead",
+                     label, chunk_key, error)
+    tier.discard(chunk_key)
+
+
+def reachable(host: str, port: int, timeout_s: float) -> bool:
+    """Whether something accepts a TCP connection at ``host``:``port`` within ``timeout_s``."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
