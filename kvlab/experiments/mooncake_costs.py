@@ -21,6 +21,7 @@ from kvlab.cache.allocation import KVCache
 from kvlab.cache.geometry import ModelGeometry
 from kvlab.experiments.network import (_gather, _median, _runs, fetch_through, random_cache, scattered_prefix,
                                        store_through)
+from kvlab.experiments.timing import check_pace_sizes
 from kvlab.runtime.progress import progress
 from kvlab.store.keys import signature
 from kvlab.store.tiers import MooncakeTier, StoreStats
@@ -208,9 +209,7 @@ def object_pace(url: str, total_bytes: int = 8 << 20, object_bytes: Sequence[int
                 256 << 10, 1 << 20, 4 << 20), repeats: int = 5) -> list[dict]:
     """The store's pace for ``total_bytes`` as ready objects of each size (one batch call
     each way): what fits a per-object and a per-byte cost (kvlab.experiments.scale_model)."""
-    from kvlab.experiments.scale_model import check_sizes
-
-    check_sizes(total_bytes, object_bytes, repeats)
+    check_pace_sizes(total_bytes, object_bytes, repeats)
     tier = _client(url, "object-pace")
     rows = []
     for size in progress(object_bytes, desc="object sizes", unit="size"):

@@ -30,7 +30,7 @@ from typing import Any, Iterable, Sequence
 from kvlab.cache.geometry import ModelGeometry
 from kvlab.cache.segments import transfer_cost
 from kvlab.experiments.costmodel import CostFit, fit
-from kvlab.experiments.timing import check_positive_int
+from kvlab.experiments.timing import check_pace_sizes, check_positive_int
 from kvlab.runtime.progress import progress
 
 # The ways a prefix is laid out as objects, by how many objects a chunk becomes.
@@ -46,7 +46,7 @@ def redis_object_pace(url: str, total_bytes: int = 8 << 20, object_bytes: Sequen
 
     from kvlab.experiments.network import _client
 
-    check_sizes(total_bytes, object_bytes, repeats)
+    check_pace_sizes(total_bytes, object_bytes, repeats)
     client = _client(url)
     store = "redis cluster" if hasattr(client, "get_primaries") else "redis"
     rows = []
@@ -73,16 +73,6 @@ def redis_object_pace(url: str, total_bytes: int = 8 << 20, object_bytes: Sequen
         rows.append({"store": store, "object_bytes": size, "objects": count, "bytes": size * count,
                      "put_s": put, "get_s": get})
     return rows
-
-
-def check_sizes(total_bytes: int, object_bytes: Sequence[int], repeats: int) -> None:
-    """ValueError unless a pace sweep's sizes and repeats are positive integers."""
-    check_positive_int("total_bytes", total_bytes)
-    check_positive_int("repeats", repeats)
-    if not object_bytes:
-        raise ValueError("object_bytes must name at least one object size")
-    for size in object_bytes:
-        check_positive_int("each of object_bytes", size)
 
 
 def fit_stores(pace_rows: Iterable[dict[str, Any]]) -> list[CostFit]:

@@ -1,6 +1,6 @@
 """Timing shared by the transfer sweep and the layerwise experiments: a clock for one call
 (events on an accelerator's copy stream, the wall clock on the CPU), several calls timed
-in turn, and the positive-integer check their arguments go through."""
+in turn, and the positive-integer checks their arguments go through."""
 
 from __future__ import annotations
 
@@ -57,3 +57,13 @@ def interleaved(fns: Sequence[Callable[[], Any]], clock: Callable[[Callable[[], 
 def check_positive_int(name: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def check_pace_sizes(total_bytes: int, object_bytes: Sequence[int], repeats: int) -> None:
+    """ValueError unless a pace sweep's sizes and repeats are positive integers."""
+    check_positive_int("total_bytes", total_bytes)
+    check_positive_int("repeats", repeats)
+    if not object_bytes:
+        raise ValueError("object_bytes must name at least one object size")
+    for size in object_bytes:
+        check_positive_int("each of object_bytes", size)

@@ -69,11 +69,11 @@ def test_a_deployment_of_nothing_is_refused(field: str, value) -> None:
 
 
 def test_bad_pace_sizes_are_refused() -> None:
-    from kvlab.experiments.scale_model import check_sizes
+    from kvlab.experiments.timing import check_pace_sizes
 
     with pytest.raises(ValueError, match="at least one"):
-        check_sizes(1 << 20, (), 3)
+        check_pace_sizes(1 << 20, (), 3)
     with pytest.raises(ValueError, match="object_bytes must be a positive integer"):
-        check_sizes(1 << 20, (4096, 0), 3)
+        check_pace_sizes(1 << 20, (4096, 0), 3)
     with pytest.raises(ValueError, match="repeats must be a positive integer"):
-        check_sizes(1 << 20, (4096,), 0)
+        check_pace_sizes(1 << 20, (4096,), 0)
