@@ -19,8 +19,8 @@ import torch
 
 from kvlab.cache.allocation import KVCache
 from kvlab.cache.geometry import ModelGeometry
-from kvlab.experiments.network import (_gather, _median, _runs, fetch_through, random_cache, scattered_prefix,
-                                       store_through)
+from kvlab.experiments.network import (_bytes_of, _gather, _median, _runs, _scatter_bytes, fetch_through, random_cache,
+                                       scattered_prefix, store_through)
 from kvlab.experiments.timing import check_pace_sizes
 from kvlab.runtime.progress import progress
 from kvlab.store.keys import signature
@@ -99,7 +99,7 @@ class _Gathered(_Way):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.buffers = [host_buffer(self.cache, len(ids)) for ids in self.chunks]
-        self.flats = [torch.cat([t.view(-1).view(torch.uint8) for t in b.storage]) for b in self.buffers]
+        self.flats = [torch.cat(_bytes_of(b)) for b in self.buffers]
 
     def objects_and_descriptors(self) -> tuple[float, float]:
         return 1.0, 1.0
@@ -107,11 +107,7 @@ class _Gathered(_Way):
     def store(self) -> None:
         for ids, buffer, flat in zip(self.chunks, self.buffers, self.flats):
             Transfer(self.cache, ids, buffer).run()
-            start = 0
-            for tensor in buffer.storage:  # one contiguous object per chunk
-                part = tensor.view(-1).view(torch.uint8)
-                flat[start:start + part.numel()].copy_(part)
-                start += part.numel()
+            torch.cat(_bytes_of(buffer), out=flat)  # one object per chunk
         keys = [f"{self.tier.prefix}{c}" for c in range(len(self.chunks))]
         _ok(self.client.batch_put_from(keys, [f.data_ptr() for f in self.flats], [f.numel() for f in self.flats]), "put")
         self.calls += 1
@@ -121,11 +117,7 @@ class _Gathered(_Way):
         _ok(self.client.batch_get_into(keys, [f.data_ptr() for f in self.flats], [f.numel() for f in self.flats]), "get")
         self.calls += 1
         for ids, buffer, flat in zip(self.chunks, self.buffers, self.flats):
-            start = 0
-            for tensor in buffer.storage:
-                part = tensor.view(-1).view(torch.uint8)
-                part.copy_(flat[start:start + part.numel()])
-                start += part.numel()
+            _scatter_bytes(flat, buffer)
             Transfer(buffer, range(len(ids)), self.cache, ids).run()
 
 

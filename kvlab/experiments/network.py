@@ -48,6 +48,15 @@ def _gather(cache: KVCache, block_ids: Sequence[int]) -> torch.Tensor:
     return torch.cat([tensor.view(-1).view(torch.uint8) for tensor in buffer.storage])
 
 
+def _scatter_bytes(flat: torch.Tensor, buffer: KVCache) -> None:
+    """Copy one object's bytes into ``buffer``'s tensors, laid end to end as ``_gather`` joins them."""
+    start = 0
+    for tensor in buffer.storage:
+        part = tensor.view(-1).view(torch.uint8)
+        part.copy_(flat[start:start + part.numel()])
+        start += part.numel()
+
+
 def _bytes_of(cache: KVCache) -> list[torch.Tensor]:
     return [tensor.view(-1).view(torch.uint8) for tensor in cache.storage]
 
@@ -104,11 +113,7 @@ class _Gathered:
         for c, (ids, buffer) in enumerate(zip(self.chunks, self.buffers)):
             value = torch.frombuffer(bytearray(self.client.get(f"{PREFIX}{c}")), dtype=torch.uint8)
             self.round_trips += 1
-            start = 0
-            for tensor in buffer.storage:
-                flat = tensor.view(-1).view(torch.uint8)
-                flat.copy_(value[start:start + flat.numel()])
-                start += flat.numel()
+            _scatter_bytes(value, buffer)
             Transfer(buffer, range(len(ids)), self.cache, ids).run()
 
 

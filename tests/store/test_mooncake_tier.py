@@ -6,36 +6,25 @@ failing, and a master or segment that dies absorbed as misses within seconds."""
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import pytest
 import torch
 
-from kvlab.cache import ModelGeometry, allocate
+from kvlab.cache import ModelGeometry
 from kvlab.runtime.mooncake import MooncakeStore
 from kvlab.runtime.servers import free_port
-from kvlab.store import Chunk, KVStore, block_hashes, signature
+from kvlab.store import KVStore
 from kvlab.store.tiers import MooncakeTier, StoreStats, Tier
 from kvlab.store.tiers.mooncake import parse_mooncake_url
+from kvlab.testing.chunks import random_chunk, same_chunk
 
 GEOMETRY = ModelGeometry("mooncake-test", 4, 2, 64, torch.bfloat16, 16)  # 32 KiB per block
-
-
-def chunk(tag: int, blocks: int = 4, geometry: ModelGeometry = GEOMETRY) -> Chunk:
-    buffer = allocate("LBHNC", geometry, blocks)
-    generator = torch.Generator().manual_seed(tag)
-    for tensor in buffer.storage:
-        tensor.copy_(torch.randn(tensor.shape, generator=generator).to(tensor.dtype))
-    keys = block_hashes(list(range(tag * 1000, tag * 1000 + blocks * geometry.block_size)), geometry.block_size, "m")
-    return Chunk(keys, buffer, signature(buffer)).seal()
+chunk = partial(random_chunk, GEOMETRY, blocks=4, salt="m")
 
 
 def tier(url: str, namespace: str, stats: StoreStats | None = None) -> MooncakeTier:
     return MooncakeTier(f"{url}&namespace={namespace}", stats or StoreStats())
-
-
-def same(a: Chunk, b: Chunk) -> bool:
-    return a.block_keys == b.block_keys and all(torch.equal(x.view(torch.uint8), y.view(torch.uint8))
-                                                for x, y in zip(a.buffer.storage, b.buffer.storage))
 
 
 def test_another_client_reads_what_one_wrote_bitwise(mooncake_store, request) -> None:
@@ -49,7 +38,7 @@ def test_another_client_reads_what_one_wrote_bitwise(mooncake_store, request) ->
     assert reader.locate_many(["0" * 64]) == [None]
     headers = reader.describe_many([c.key for c in stored] + ["0" * 64])
     assert [h.block_keys for h in headers[:3]] == [c.block_keys for c in stored] and headers[3] is None
-    assert all(same(reader.get(c.key), c) for c in stored)
+    assert all(same_chunk(reader.get(c.key), c) for c in stored)
     assert reader.get("0" * 64) is None and reader.stats.mooncake_reads == 3
 
 
@@ -58,7 +47,7 @@ def test_a_store_reads_it_through_its_lookup_order(mooncake_store, request) -> N
     KVStore(mooncake_url=url).put(chunk(7))
     other = KVStore(mooncake_url=url)
     fetched = other.fetch(chunk(7).key, tier="mooncake")
-    assert fetched.chunk is not None and same(fetched.chunk, chunk(7))
+    assert fetched.chunk is not None and same_chunk(fetched.chunk, chunk(7))
 
 
 def test_a_damaged_chunk_is_refused_and_dropped(mooncake_store, request) -> None:
@@ -83,15 +72,15 @@ def test_a_full_store_evicts_the_oldest_and_never_fails_a_write(own_mooncake_sto
     writer = tier(own_mooncake_store.url, "full", stats)
     stored = 0
     for tag in range(60):
-        stored += writer.put(chunk(tag, 8, big))
+        stored += writer.put(random_chunk(big, tag, 8))
         time.sleep(0.02)  # past the 200 ms lease of older objects, now and then
     assert stored + stats.mooncake_full == 60 and stats.write_errors == 0
     assert own_mooncake_store.keys() < 60 * 10, "evicted"
     assert own_mooncake_store.master.metrics()["master_allocated_bytes"] <= 32 << 20
-    assert writer.get(chunk(0, 8, big).key) is None, "the oldest went"
+    assert writer.get(random_chunk(big, 0, 8).key) is None, "the oldest went"
     time.sleep(0.5)
-    last = chunk(60, 8, big)
-    assert writer.put(last) and same(writer.get(last.key), last), "room again after eviction"
+    last = random_chunk(big, 60, 8)
+    assert writer.put(last) and same_chunk(writer.get(last.key), last), "room again after eviction"
 
 
 def test_the_master_down_at_start_up_is_a_clear_error_at_once() -> None:
@@ -107,7 +96,7 @@ def test_a_master_or_segment_that_dies_is_a_quick_miss(own_mooncake_store, fault
     stats = StoreStats()
     one = tier(own_mooncake_store.url, "faults", stats)
     stored = chunk(3)
-    assert one.put(stored) and same(one.get(stored.key), stored)
+    assert one.put(stored) and same_chunk(one.get(stored.key), stored)
     (own_mooncake_store.kill_master if fault == "master" else own_mooncake_store.kill_segment)()
     began = time.monotonic()
     deadline = began + 10

@@ -6,32 +6,21 @@ never an error), the others serving on."""
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import pytest
 import torch
 
-from kvlab.cache import ModelGeometry, allocate
+from kvlab.cache import ModelGeometry
 from kvlab.connector.config import ConnectorConfig
 from kvlab.runtime.redis import RedisError
 from kvlab.runtime.redis_cluster import RedisCluster, nodes_of
-from kvlab.store import Chunk, KVStore, block_hashes, signature
+from kvlab.store import KVStore
 from kvlab.store.tiers import RedisTier, StoreStats
+from kvlab.testing.chunks import random_chunk, same_chunk
 
 GEOMETRY = ModelGeometry("cluster-test", 4, 2, 64, torch.bfloat16, 16)  # 32 KiB per block
-
-
-def chunk(tag: int, blocks: int = 4) -> Chunk:
-    buffer = allocate("LBHNC", GEOMETRY, blocks)
-    generator = torch.Generator().manual_seed(tag)
-    for tensor in buffer.storage:
-        tensor.copy_(torch.randn(tensor.shape, generator=generator).to(tensor.dtype))
-    keys = block_hashes(list(range(tag * 1000, tag * 1000 + blocks * GEOMETRY.block_size)), GEOMETRY.block_size, "r")
-    return Chunk(keys, buffer, signature(buffer)).seal()
-
-
-def same(a: Chunk, b: Chunk) -> bool:
-    return a.block_keys == b.block_keys and all(torch.equal(x.view(torch.uint8), y.view(torch.uint8))
-                                                for x, y in zip(a.buffer.storage, b.buffer.storage))
+chunk = partial(random_chunk, GEOMETRY, blocks=4, salt="r")
 
 
 def test_chunks_spread_over_the_nodes_and_another_client_reads_them_bitwise(redis_cluster) -> None:
@@ -47,14 +36,14 @@ def test_chunks_spread_over_the_nodes_and_another_client_reads_them_bitwise(redi
     assert reader.locate_many(["0" * 64]) == [None]
     headers = reader.describe_many([c.key for c in stored] + ["0" * 64])
     assert [h.block_keys for h in headers[:-1]] == [c.block_keys for c in stored] and headers[-1] is None
-    assert all(same(reader.get(c.key), c) for c in stored) and reader.get("0" * 64) is None
+    assert all(same_chunk(reader.get(c.key), c) for c in stored) and reader.get("0" * 64) is None
     assert len(nodes_of(redis_cluster.client(), [f"kvlab:b:{{{k}}}" for k in keys])) == 3
 
 
 def test_a_store_and_the_connector_config_take_the_cluster_url(redis_cluster) -> None:
     KVStore(redis_url=redis_cluster.url).put(chunk(3))
     fetched = KVStore(redis_url=redis_cluster.url).fetch(chunk(3).key, tier="redis")
-    assert fetched.chunk is not None and same(fetched.chunk, chunk(3))
+    assert fetched.chunk is not None and same_chunk(fetched.chunk, chunk(3))
     assert ConnectorConfig.parse(redis_cluster.extra()).redis_url == redis_cluster.url
     with pytest.raises(ValueError, match="no database"):
         ConnectorConfig.parse(redis_cluster.extra(redis_url=redis_cluster.url.replace("?", "/2?")))
@@ -88,7 +77,7 @@ def test_a_killed_node_costs_its_own_keys_only(redis_cluster) -> None:
     located = tier.locate_many([key for c in stored for key in c.block_keys])
     assert None in located and stats.read_errors >= 1
     assert time.monotonic() - began < 10
-    assert all(same(tier.get(c.key), c) for c in survivors), "the other nodes serve on"
+    assert all(same_chunk(tier.get(c.key), c) for c in survivors), "the other nodes serve on"
     assert tier.put(chunk(99)) in (True, False)  # skipped or written, never raised
 
 

@@ -4,28 +4,19 @@ damaged or foreign chunks treated as misses."""
 from __future__ import annotations
 
 import os
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
 from kvlab.cache import ModelGeometry, allocate
-from kvlab.store import Chunk, Fetched, KVStore, Stored, block_hashes, shard_key, signature
+from kvlab.store import Fetched, KVStore, Stored, block_hashes, shard_key, signature
 from kvlab.store.tiers import disk as disk_module
+from kvlab.testing.chunks import random_chunk, same_bytes
 
 GEOMETRY = ModelGeometry("store-test", 2, 2, 32, torch.bfloat16, 16)
-
-
-def chunk(tag: int, blocks: int = 2, layout: str = "LBHNC") -> Chunk:
-    buffer = allocate(layout, GEOMETRY, blocks)
-    for tensor in buffer.storage:
-        tensor.view(torch.int16).random_(generator=torch.Generator().manual_seed(tag))
-    keys = block_hashes(list(range(tag, tag + blocks * GEOMETRY.block_size)), GEOMETRY.block_size, "seed")
-    return Chunk(keys, buffer, signature(buffer)).seal()
-
-
-def same_bytes(a: Chunk, b: Chunk) -> bool:
-    return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a.buffer.storage, b.buffer.storage))
+chunk = partial(random_chunk, GEOMETRY, salt="seed")
 
 
 def test_block_hashes_chain_the_prefix() -> None:

@@ -14,34 +14,25 @@ import struct
 import subprocess
 import time
 import types
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
-from kvlab.cache import ModelGeometry, allocate
-from kvlab.store import RETRY_FIRST_S, Chunk, KVStore, block_hashes, folder_fingerprint, signature
+from kvlab.cache import ModelGeometry
+from kvlab.store import RETRY_FIRST_S, Chunk, KVStore, block_hashes, folder_fingerprint
 from kvlab.store.tiers import backoff
 from kvlab.store import chunk as chunk_format
+from kvlab.testing.chunks import random_chunk, same_bytes
 
 GEOMETRY = ModelGeometry("fault-test", 2, 2, 32, torch.bfloat16, 16)
+chunk = partial(random_chunk, GEOMETRY, salt="s")
 
-
-def chunk(tag: int, blocks: int = 2) -> Chunk:
-    buffer = allocate("LBHNC", GEOMETRY, blocks)
-    for tensor in buffer.storage:
-        tensor.view(torch.int16).random_(generator=torch.Generator().manual_seed(tag))
-    keys = block_hashes(list(range(tag * 1000, tag * 1000 + blocks * GEOMETRY.block_size)), GEOMETRY.block_size, "s")
-    return Chunk(keys, buffer, signature(buffer)).seal()
-
-
-def same_bytes(a: Chunk, b: Chunk) -> bool:
-    return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a.buffer.storage, b.buffer.storage))
 
 def hit(store: KVStore, c: Chunk, **options: object) -> Chunk | None:
     """``c`` as a worker fetches it (the production path): its signature and blocks."""
     return store.get(c.key, c.signature, blocks=dict(enumerate(c.block_keys)), **options)
-
 
 
 def file_of(folder: Path, c: Chunk) -> Path:

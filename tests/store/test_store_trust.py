@@ -11,35 +11,27 @@ import os
 import struct
 import time
 import types
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
-from kvlab.cache import ModelGeometry, allocate
-from kvlab.store import RETRY_FIRST_S, Chunk, KVStore, RedisTier, StoreStats, block_hashes, signature, tiers
+from kvlab.cache import ModelGeometry
+from kvlab.store import RETRY_FIRST_S, Chunk, KVStore, RedisTier, StoreStats, tiers
 from kvlab.store import chunk as chunk_format
+from kvlab.testing.chunks import random_chunk, same_bytes
 
 GEOMETRY = ModelGeometry("trust-test", 2, 2, 32, torch.bfloat16, 16)
+chunk = partial(random_chunk, GEOMETRY, salt="t")
+
+
 KEY, OTHER_KEY = b"k" * 32, b"o" * 32
 
-
-def chunk(tag: int, fill: int | None = None) -> Chunk:
-    """A sealed chunk; ``fill`` gives other bytes under the same keys (a forger's chunk)."""
-    buffer = allocate("LBHNC", GEOMETRY, 2)
-    for tensor in buffer.storage:
-        tensor.view(torch.int16).random_(generator=torch.Generator().manual_seed(tag if fill is None else fill))
-    keys = block_hashes(list(range(tag * 1000, tag * 1000 + 2 * GEOMETRY.block_size)), GEOMETRY.block_size, "t")
-    return Chunk(keys, buffer, signature(buffer)).seal()
-
-
-def same_bytes(a: Chunk, b: Chunk) -> bool:
-    return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a.buffer.storage, b.buffer.storage))
 
 def hit(store: KVStore, c: Chunk, **options: object) -> Chunk | None:
     """``c`` as a worker fetches it (the production path): its signature and blocks."""
     return store.get(c.key, c.signature, blocks=dict(enumerate(c.block_keys)), **options)
-
 
 
 def files(folder: Path) -> list[Path]:

@@ -4,19 +4,19 @@ Redis tier's paused writes counted as its own."""
 
 from __future__ import annotations
 
-import os
-
 import logging
+import os
 import socket
 import types
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
-from kvlab.cache import ModelGeometry, allocate
+from kvlab.cache import ModelGeometry
 from kvlab.connector.config import ConnectorConfig
-from kvlab.store import Chunk, KVStore, block_hashes, signature
+from kvlab.store import KVStore
 from kvlab.store.tiers import (
     RETRY_FIRST_S,
     RETRY_MAX_S,
@@ -31,14 +31,10 @@ from kvlab.store.tiers import (
     tier_names,
     unregister_tier,
 )
+from kvlab.testing.chunks import random_chunk
 
 GEOMETRY = ModelGeometry("tiers-test", 2, 2, 32, torch.bfloat16, 16)
-
-
-def chunk(tag: int) -> Chunk:
-    buffer = allocate("LBHNC", GEOMETRY, 2)
-    keys = block_hashes(list(range(tag * 100, tag * 100 + 2 * GEOMETRY.block_size)), GEOMETRY.block_size, "t")
-    return Chunk(keys, buffer, signature(buffer)).seal()
+chunk = partial(random_chunk, GEOMETRY, salt="t")
 
 
 class Clock:
