@@ -45,7 +45,7 @@ def _gather(cache: KVCache, block_ids: Sequence[int]) -> torch.Tensor:
     """The blocks' bytes, packed (to compare what was stored with what came back)."""
     buffer = host_buffer(cache, len(block_ids))
     Transfer(cache, block_ids, buffer).run()
-    return torch.cat([tensor.view(-1).view(torch.uint8) for tensor in buffer.storage])
+    return torch.cat(_bytes_of(buffer))
 
 
 def _scatter_bytes(flat: torch.Tensor, buffer: KVCache) -> None:
