@@ -184,9 +184,9 @@ def _against(control: dict, cold: dict, warm: dict) -> dict:
 # ---- engine processes ------------------------------------------------------------------
 def _vllm_child(job: dict) -> dict:
     """A vLLM CPU engine with MooncakeStoreConnector: after a warm-up (as kvlab.testing.engine
-    does), one greedy request. A waits until the
-    master's key count stops growing (the connector saves after the request returns), then
-    sends the prompt again: vLLM's own prefix hit, the control (its prefix cache is on)."""
+    does), one greedy request. A waits until the master's key count stops growing (the
+    connector saves after the request returns), then sends the prompt again: vLLM's own
+    prefix hit, the control (its prefix cache is on)."""
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=job["model"], dtype="float32", block_size=VLLM_BLOCK, enforce_eager=True,
