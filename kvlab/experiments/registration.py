@@ -5,6 +5,7 @@ count segments and time both. Imports vLLM."""
 from __future__ import annotations
 
 import logging
+import statistics
 
 from kvlab.cache.geometry import ModelGeometry
 from kvlab.testing.driver import connector_pair, prefill, register
@@ -12,7 +13,8 @@ from kvlab.testing.driver import connector_pair, prefill, register
 
 def registration_costs(geometry: ModelGeometry, tokens: int, ways: list[str], repeats: int = 3) -> list[dict]:
     """Save then load one ``tokens``-token prompt through the connector for each way of
-    handing over the cache: layout recognised, segments per load and save, median times."""
+    handing over the cache: layout recognised, segments per load and save, median times and
+    every sample (``save_samples_ms``, ``load_samples_ms``)."""
     from kvlab.connector.stores import reset_stores
 
     blocks = tokens // geometry.block_size
@@ -38,8 +40,9 @@ def registration_costs(geometry: ModelGeometry, tokens: int, ways: list[str], re
             "registration": how, "layout": worker.cache.layout.name, "cross_layer": worker.cache.layout.is_cross_layer,
             "tokens": blocks * geometry.block_size, "hit_tokens": samples[-1][2],
             "save_segments": stats.save_segments, "load_segments": stats.load_segments,
-            "save_ms": 1e3 * sorted(s[0] for s in samples)[repeats // 2],
-            "load_ms": 1e3 * sorted(s[1] for s in samples)[repeats // 2],
+            "save_ms": 1e3 * statistics.median(s[0] for s in samples),
+            "load_ms": 1e3 * statistics.median(s[1] for s in samples),
+            "save_samples_ms": [1e3 * s[0] for s in samples], "load_samples_ms": [1e3 * s[1] for s in samples],
         })
     reset_stores()
     return rows

@@ -1,19 +1,21 @@
 """How the connector's costs grow with what grows in serving (notebook 03, "How the costs
 grow"), each measured in one run on this machine: time to first token over the prefix-hit
 floor against prompt length, from each tier and through vLLM's ExampleConnector, beside the
-STREAM-style copy of the same bytes (the physical bound); throughput and TTFT percentiles
-against concurrent requests through ``vllm serve``; and issue 30's targets against them.
+STREAM-style copy of the same bytes (the physical bound); and throughput and TTFT
+percentiles against concurrent requests through ``vllm serve``, every server on the same
+compute threads.
 In-process costs (a hit call by call, lookups against chunks stored): kvlab.experiments.hit_costs."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import statistics
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -93,8 +95,9 @@ def costs_by_length(model: str, prompts: list[list[int]], workdir: str | Path, r
             reference = {"phases": {phase: [{**r, "prompt": 0} for r in results["vLLM prefix cache"]["phases"][phase]
                                             if r["prompt_tokens"] == length] for phase in ("cold", "floor")}}
             control = same_outputs(reference, mine, "floor", "warm")
+            paired = [w - f for w, f in zip(warm, floor)]
             rows.append({**label, "warm_s": statistics.median(warm), "floor_s": statistics.median(floor),
-                         "overhead_s": statistics.median(w - f for w, f in zip(warm, floor)),
+                         "overhead_s": statistics.median(paired), "overhead_samples_s": paired,
                          "cached_tokens": cached, "kv_bytes": int(cached * token_bytes), "samples": len(warm),
                          "identical_to_control": control["identical"], "logprob_diff_vs_control": control["max_logprob_diff"],
                          "gap_vs_recompute": same_outputs(reference, mine, "cold", "warm")["max_gap_through_divergence"],
@@ -104,7 +107,8 @@ def costs_by_length(model: str, prompts: list[list[int]], workdir: str | Path, r
 
 def with_stream_bound(rows: list[dict], repeats: int = 15) -> list[dict]:
     """Each row with ``stream_s``, the median time kvlab's STREAM-style copy (kvlab's C batch
-    copy on torch's threads, one contiguous run) takes for its ``kv_bytes`` here, and
+    copy on torch's threads, one contiguous run) takes for its ``kv_bytes`` here (every
+    sample in ``stream_samples_s``), and
     ``bound_ratio`` = overhead over it: the physical bound of a load. As STREAM asks, the
     bytes come from memory, not from the cache: each repeat copies another buffer, and the
     buffers together are four times the last-level cache (:func:`last_level_cache_bytes`)."""
@@ -120,9 +124,11 @@ def with_stream_bound(rows: list[dict], repeats: int = 15) -> list[dict]:
             began = time.perf_counter()
             copies[i % len(copies)]()
             times.append(time.perf_counter() - began)
-        bound[nbytes] = statistics.median(times)
-    return [{**r, "stream_s": bound.get(r["kv_bytes"]),
-             "bound_ratio": r["overhead_s"] / bound[r["kv_bytes"]] if r["kv_bytes"] else None} for r in rows]
+        bound[nbytes] = times
+    return [{**r, "stream_s": statistics.median(bound[r["kv_bytes"]]) if r["kv_bytes"] else None,
+             "stream_samples_s": bound.get(r["kv_bytes"]),
+             "bound_ratio": r["overhead_s"] / statistics.median(bound[r["kv_bytes"]]) if r["kv_bytes"] else None}
+            for r in rows]
 
 
 def last_level_cache_bytes() -> int:
@@ -136,42 +142,76 @@ def last_level_cache_bytes() -> int:
 
 
 # ---- concurrent requests through vllm serve ---------------------------------------------------
-def concurrency_sweep(model: str, ids: list[int], levels: tuple[int, ...] = CONCURRENCY,
-                      prefixes: int = 8, prefix_tokens: int = 512, suffix_tokens: int = 32) -> list[dict]:
+# vLLM's CPU worker reserves one core per rank for the engine core, and one more when a KV
+# connector is configured; on a 2-core machine that leaves none reserved, and the model then
+# computes on both cores while a server without a connector computes on one. Servers compared
+# for throughput must compute on the same threads: every one reserves exactly one core.
+SAME_THREADS = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+_CORES = re.compile(r"local_rank=0, core ids=\[([\d, ]*)\]")
+
+
+def compute_threads(log: str) -> int | None:
+    """How many cores a `vllm serve` log says its rank-0 worker computed on (None: not said)."""
+    found = _CORES.findall(log)
+    return len([c for c in found[-1].split(",") if c.strip()]) if found else None
+
+
+UNPINNED = "KVLabConnector, vLLM's own thread choice"  # the artefact the pin removes, measured beside it
+
+
+def concurrency_sweep(model: str, ids: list[int], levels: tuple[int, ...] = CONCURRENCY, repeats: int = 3,
+                      prefixes: int = 8, prefix_tokens: int = 512, suffix_tokens: int = 32,
+                      reference_repeats: int = 1, unpinned: bool = True) -> list[dict]:
     """Requests sharing ``prefixes`` prefixes of ``prefix_tokens`` tokens, each with a suffix
-    of its own, ``c`` at a time for each ``c`` in ``levels`` (2c requests, at least 8), one
-    token each (its latency is its time to first token), through ``vllm serve`` with vLLM's
-    defaults: with KVLabConnector, with vLLM's own prefix cache alone, with no cache, and
-    with KVLabConnector alone (vLLM's prefix cache off: every reuse is a load). Each server
-    first sees every prefix once. One row per server and level: throughput and p50/p99."""
+    of its own, ``c`` at a time for each ``c`` in ``levels`` (2c requests, at least 8, each
+    level ``repeats`` times with new suffixes), one token each (its latency is its time to
+    first token), through ``vllm serve`` with vLLM's defaults and the same compute threads
+    (:data:`SAME_THREADS`): with KVLabConnector, with vLLM's own prefix cache alone, with no
+    cache, and with KVLabConnector alone (vLLM's prefix cache off: every reuse is a load).
+    ``unpinned`` adds KVLabConnector as vLLM runs it unpinned (:data:`UNPINNED`: on 2 cores,
+    both cores), so the run shows what the pin removes. "no cache", a reference a tenth as
+    fast that nothing is compared with, is measured ``reference_repeats`` times. Each server
+    first sees every prefix once. One row per server and level: the median throughput and
+    every repeat's (``throughput_samples_rps``), p50/p99 over all its requests, and the cores
+    its worker computed on (``compute_threads``, from its log)."""
     from kvlab.runtime.servers import VLLMServer
 
     if not levels or any(not isinstance(c, int) or c < 1 for c in levels) or min(prefixes, prefix_tokens, suffix_tokens) < 1:
         raise ValueError(f"levels must be positive request counts and the prefixes and suffixes non-empty, got "
                          f"{levels}, {prefixes} x {prefix_tokens} + {suffix_tokens}")
+    for name, value in (("repeats", repeats), ("reference_repeats", reference_repeats)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
     span = prefixes * prefix_tokens
-    requests = sum(max(8, 2 * c) for c in levels)
+    requests = ((3 + unpinned) * repeats + reference_repeats) * sum(max(8, 2 * c) for c in levels)
     if span + requests + suffix_tokens > len(ids):
         raise ValueError(f"need {span + requests + suffix_tokens} token ids, got {len(ids)}")
     heads = [ids[i * prefix_tokens:(i + 1) * prefix_tokens] for i in range(prefixes)]
     servers = {
-        "KVLabConnector": VLLMServer(model, "kvlab", {}, vllm_defaults=True),
-        "vLLM prefix cache": VLLMServer(model, "none", vllm_defaults=True),
-        "no cache": VLLMServer(model, "none", vllm_defaults=True, args=("--no-enable-prefix-caching",)),
-        "KVLabConnector alone": VLLMServer(model, "kvlab", {}, vllm_defaults=True,
+        "KVLabConnector": VLLMServer(model, "kvlab", {}, vllm_defaults=True, env=SAME_THREADS),
+        "vLLM prefix cache": VLLMServer(model, "none", vllm_defaults=True, env=SAME_THREADS),
+        "no cache": VLLMServer(model, "none", vllm_defaults=True, env=SAME_THREADS,
+                               args=("--no-enable-prefix-caching",)),
+        "KVLabConnector alone": VLLMServer(model, "kvlab", {}, vllm_defaults=True, env=SAME_THREADS,
                                            args=("--no-enable-prefix-caching",)),
     }
+    if unpinned:
+        servers[UNPINNED] = VLLMServer(model, "kvlab", {}, vllm_defaults=True)
     rows = []
+    offset = span  # every request's suffix is new, across servers too
     for name, server in progress(servers.items(), desc="servers", unit="server"):
         with server:
             for head in heads:
                 server.complete(head, 1)
-            offset = span
+            threads = compute_threads(Path(server.log_path).read_text(errors="replace"))
             for level in levels:
                 count = max(8, 2 * level)
-                batch = [heads[i % prefixes] + ids[offset + i: offset + i + suffix_tokens] for i in range(count)]
-                offset += count
-                rows.append({"server": name, "concurrency": level, **_serve(server, batch, level)})
+                runs = []
+                for _ in range(reference_repeats if name == "no cache" else repeats):
+                    batch = [heads[i % prefixes] + ids[offset + i: offset + i + suffix_tokens] for i in range(count)]
+                    offset += count
+                    runs.append(_serve(server, batch, level))
+                rows.append({"server": name, "concurrency": level, "compute_threads": threads, **_pooled(runs)})
     return rows
 
 
@@ -185,11 +225,19 @@ def _serve(server: Any, prompts: list[list[int]], clients: int) -> dict:
     began = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         done = list(pool.map(one, prompts))
-    wall = time.perf_counter() - began
-    latencies = sorted(t for t, _ in done)
-    return {"requests": len(prompts), "wall_s": wall, "throughput_rps": len(prompts) / wall,
+    return {"requests": len(prompts), "wall_s": time.perf_counter() - began, "latencies": [t for t, _ in done],
+            "cached": [c for _, c in done]}
+
+
+def _pooled(runs: list[dict]) -> dict:
+    """One level's repeats: throughput per repeat and its median, latency percentiles and
+    cached tokens over every request."""
+    rates = [run["requests"] / run["wall_s"] for run in runs]
+    latencies = sorted(t for run in runs for t in run["latencies"])
+    return {"requests": sum(run["requests"] for run in runs), "repeats": len(runs),
+            "throughput_rps": statistics.median(rates), "throughput_samples_rps": rates,
             "ttft_p50_s": statistics.median(latencies), "ttft_p99_s": _percentile(latencies, 0.99),
-            "cached_tokens": statistics.median(c for _, c in done)}
+            "cached_tokens": statistics.median(c for run in runs for c in run["cached"])}
 
 
 def _percentile(ordered: list[float], q: float) -> float:
@@ -198,27 +246,3 @@ def _percentile(ordered: list[float], q: float) -> float:
     low = int(position)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
-def targets(lengths: Sequence[dict], lookups: Sequence[dict], pace: dict, serving: Sequence[dict]) -> list[dict]:
-    """Issue 30's targets against the measurements: a hit from memory within 1.5x the
-    STREAM copy of its bytes at 2k and 8k tokens; a lookup within 1 ms with 100,000 chunks
-    stored; a Redis load within 1.2x the server's pace; with 16 concurrent requests,
-    KVLabConnector's throughput at least 0.95x vLLM's own prefix cache."""
-    out = []
-    for row in lengths:
-        if row["path"] == "KVLab, memory" and row["prompt_tokens"] >= 2000:
-            out.append({"target": f"hit from memory, {row['prompt_tokens']} tokens: overhead / STREAM copy <= 1.5",
-                        "measured": row["bound_ratio"], "met": row["bound_ratio"] <= 1.5})
-    for row in lookups:
-        if row["stored_chunks"] == max(r["stored_chunks"] for r in lookups):
-            out.append({"target": f"{row['tier']} lookup, {row['prompt_tokens']} tokens, {row['stored_chunks']:,} chunks "
-                                  "stored: ms <= 1", "measured": row["lookup_ms"], "met": row["lookup_ms"] <= 1.0})
-    out.append({"target": "Redis load / the server's own GET pace <= 1.2", "measured": pace["ratio"],
-                "met": pace["ratio"] <= 1.2})
-    at = {r["server"]: r for r in serving if r["concurrency"] == 16}
-    if "KVLabConnector" in at and "vLLM prefix cache" in at:
-        ratio = at["KVLabConnector"]["throughput_rps"] / at["vLLM prefix cache"]["throughput_rps"]
-        out.append({"target": "16 concurrent: throughput / vLLM's prefix cache >= 0.95", "measured": ratio,
-                    "met": ratio >= 0.95})
-    return out

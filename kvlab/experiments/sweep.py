@@ -32,7 +32,7 @@ from kvlab.runtime.progress import progress
 from kvlab.transfer.common import copy_stream
 from kvlab.transfer.engine import Transfer, chunk_buffer, host_buffer
 from kvlab.transfer.methods.memcpy import copy_addresses, native_library
-from kvlab.transfer.registry import ALL_METHODS, PEERS, method_status
+from kvlab.transfer.registry import ALL_METHODS, method_status
 
 DIRECTIONS = ("offload", "load")
 MAX_SEGMENTS = 65536  # the segments method beyond this takes seconds per call: recorded, not timed
@@ -138,8 +138,9 @@ class _Setup:
 
 
 def measure(config: Config, device: torch.device, repeats: int, setup: _Setup) -> dict[str, Any]:
-    """Time one configuration against its ceiling; a method that cannot run here is a row
-    that says why."""
+    """Time one configuration against its ceiling; a method that cannot run here (checked
+    before anything is timed) is a row that says why, and one that raises while timed fails
+    the sweep: a failure is never a row."""
     row: dict[str, Any] = {"record": "row", **config.describe()}
     src, dst = (setup.cache, setup.buffer) if config.direction == "offload" else (setup.buffer, setup.cache)
     problem = method_status(config.method, src, dst)
@@ -158,13 +159,8 @@ def measure(config: Config, device: torch.device, repeats: int, setup: _Setup) -
     native = device.type == "cpu" and isinstance(native_library(), ctypes.CDLL)
     if native:
         ceilings_to_time.append(ceiling_copy(plan.nbytes, config.direction, device, native=True))
-    try:
-        first = clock(transfer.run)  # includes any one-off compilation
-        times, ceilings, *native_times = interleaved([transfer.run, *ceilings_to_time], clock, repeats)
-    except Exception as error:
-        if config.method not in PEERS:
-            raise
-        return {**row, "status": f"unavailable: {type(error).__name__}: {error}"}
+    first = clock(transfer.run)  # includes any one-off compilation; a method that raises fails the sweep
+    times, ceilings, *native_times = interleaved([transfer.run, *ceilings_to_time], clock, repeats)
     median, ceiling_median = statistics.median(times), statistics.median(ceilings)
     bound = None
     if native_times:  # the STREAM-style bound beside torch's copy

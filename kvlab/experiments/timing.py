@@ -54,6 +54,20 @@ def interleaved(fns: Sequence[Callable[[], Any]], clock: Callable[[Callable[[], 
     return times
 
 
+def repeated(fn: Callable[[], Any], repeats: int, reset: Callable[[], Any] | None = None) -> list[float]:
+    """Wall-clock seconds of each of ``repeats`` calls of ``fn``, ``reset`` (untimed) before
+    each: the samples a row keeps beside its median, so a reading can state the spread."""
+    check_positive_int("repeats", repeats)
+    times = []
+    for _ in range(repeats):
+        if reset is not None:
+            reset()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def check_positive_int(name: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -12,6 +12,7 @@ from kvlab.experiments.paths import Reuse
 from kvlab.runtime.progress import progress
 from kvlab.testing.compare import same_outputs, summarize
 from kvlab.testing.engine import EngineSpec, check_inputs, run_engine
+from kvlab.testing.spread import SAMPLES_KEY, row_difference
 
 
 def run_any_engine(spec: EngineSpec, prompts: list[list[int]], lmcache: Any = None, **options: Any) -> dict:
@@ -78,26 +79,47 @@ def ttft_scenarios(model: str, prompts: list[list[int]], workdir: str | Path, dt
     rows, results = [], {}
     for name, spec, labels in progress(plans, desc="engines", unit="engine"):
         results[name] = run_engine(spec, prompts)
-        floor = summarize("floor", results[name], "floor")["median_s"]
+        floor = summarize("floor", results[name], "floor")
         for phase, label in labels.items():
             row = summarize(label, results[name], phase, connector=spec.connector, model=Path(model).name,
                             dtype=dtype, new_process=name.endswith("new process"))
             row.update(same_outputs(results["vLLM prefix cache"], results[name], "cold", phase))
-            row["engine_floor_s"] = floor
+            row.update(engine_floor_s=floor["median_s"], engine_floor_samples_s=floor[SAMPLES_KEY])
             rows.append(row)
     return with_overheads(rows)
+
+
+def engine_floor(row: dict) -> dict:
+    """A row's own engine's prefix hit as a timing row of its own (its samples when kept;
+    one sample's worth of trust when only the median was)."""
+    samples = row.get("engine_floor_samples_s")
+    return {"median_s": row["engine_floor_s"], SAMPLES_KEY: samples, "samples": len(samples) if samples else 1}
 
 
 def with_overheads(rows: list[dict]) -> list[dict]:
     """Each warm row's overhead: its median minus the floor, vLLM's own prefix-cache hit
     (the KV is in place, nothing moves) measured in the same engine between its warm runs,
-    which cancels drift between engines; ``overhead_vs_plain_s`` uses the engine without a
-    connector instead."""
-    plain = next((r["median_s"] for r in rows if Reuse.of(r["scenario"]) is Reuse.VLLM_PREFIX_HIT), None)
+    which cancels drift between engines, with the interval of that difference
+    (``overhead_low_s``, ``overhead_high_s``); ``overhead_vs_plain_s`` uses the engine
+    without a connector instead. An engine whose own floor differs from the plain engine's
+    by more than their spread is flagged (``floor_differs``): its overheads stand, but the
+    engine itself ran slower or faster, and the text must say so."""
+    plain = next((r for r in rows if Reuse.of(r["scenario"]) is Reuse.VLLM_PREFIX_HIT), None)
     if plain is None:
         raise ValueError("these rows have no vLLM prefix-cache hit row (the floor): rows of ttft_scenarios are needed")
-    return [{**r, "overhead_s": None if r["phase"] == "cold" else r["median_s"] - r.get("engine_floor_s", plain),
-             "overhead_vs_plain_s": None if r["phase"] == "cold" else r["median_s"] - plain} for r in rows]
+    out = []
+    for r in rows:
+        floor = engine_floor(r) if r.get("engine_floor_s") is not None else plain
+        warm = r["phase"] != "cold"
+        overhead = row_difference(r, floor) if warm else None
+        drift = row_difference(floor, plain)
+        out.append({**r, "overhead_s": overhead.value if warm else None,
+                    "overhead_low_s": overhead.low if warm else None, "overhead_high_s": overhead.high if warm else None,
+                    "overhead_interval": overhead.how if warm else None,
+                    "overhead_samples": overhead.samples if warm else None,
+                    "overhead_vs_plain_s": r["median_s"] - plain["median_s"] if warm else None,
+                    "floor_differs": drift.excludes(0.0)})
+    return out
 
 
 def connector_comparison(model: str, prompts: list[list[int]], workdir: str | Path, lmcache: Any = None,
@@ -202,9 +224,7 @@ def layouts_in_the_engine(model: str, prompts: list[list[int]], redis: Any, dtyp
     check_inputs(model, prompts)
     common = {"model": model, "dtype": dtype, "block_size": block_size, "prefix_caching": True,
               "multiprocessing": True}
-    # the floor right after the memory hit: after a Redis hit the loaded chunks are being saved to
-    # memory (beside the next request on 2 cores); the next "warm" waits for them (its reset does)
-    paired = ("warm", "floor", "warm-disk") * repeats
+    paired = ("warm", "floor", "warm-disk", "floor") * repeats
     chunk_blocks = (chunk_size or 256) // block_size
     plans = [(None, None, EngineSpec(**common, phases=("cold",) + ("floor",) * repeats))]
     for layout in layouts:
@@ -216,7 +236,8 @@ def layouts_in_the_engine(model: str, prompts: list[list[int]], redis: Any, dtyp
     for layout, mode, spec in progress(plans, desc="engines", unit="engine"):
         result = run_engine(spec, prompts)
         plain = plain or result
-        floor = summarize("floor", result, "floor")["median_s"]
+        floor_row = summarize("floor", result, "floor")
+        floor = floor_row["median_s"]
         if layout is None:
             for phase, label in (("cold", Reuse.RECOMPUTE.label), ("floor", Reuse.VLLM_PREFIX_HIT.label)):
                 rows.append({**summarize(label, result, phase, model=Path(model).name, dtype=dtype), "layout": "LBHNC",
@@ -230,8 +251,11 @@ def layouts_in_the_engine(model: str, prompts: list[list[int]], redis: Any, dtyp
             wait = statistics.median(c["load_wait_seconds"] for c in counters)
             row = summarize(f"KVLab {layout} {mode}, {tier}", result, phase, connector="kvlab", model=Path(model).name,
                             dtype=dtype)
+            overhead = row_difference(row, floor_row)
             row.update(layout=layout, hand_over=HAND_OVERS[layout], mode=mode, tier=tier, engine_floor_s=floor,
-                       overhead_s=row["median_s"] - floor, copy_s=copy, wait_s=wait if mode != "whole-step" else None,
+                       engine_floor_samples_s=floor_row[SAMPLES_KEY], overhead_s=overhead.value,
+                       overhead_low_s=overhead.low, overhead_high_s=overhead.high, overhead_interval=overhead.how,
+                       overhead_samples=overhead.samples, copy_s=copy, wait_s=wait if mode != "whole-step" else None,
                        runner_load_s=statistics.median(r["load_s"] for r in samples),
                        runner_save_s=statistics.median(r["save_s"] for r in result["phases"]["cold"]),
                        hidden_share=(1 - wait / copy if copy > 0 else None) if mode != "whole-step" else 0.0,

@@ -240,9 +240,11 @@ def map_figure(model: str, layouts: Sequence[str], block_size: int, tokens: int,
     for row, by in enumerate(colour_by):
         maps = [fig.add_subplot(grid[row, column]) for column in range(len(layouts))]
         for ax, name in zip(maps, layouts):
-            draw_memory_map(ax, name, scales.small, scales.num_blocks, by, width=scales.row_cells(name),
-                            spans=scales.spans, rest=NOT_MOVED)
-            ax.set_title(ax.get_title() if row == 0 else "", fontsize=FONT)
+            drawn = draw_memory_map(ax, name, scales.small, scales.num_blocks, by, width=scales.row_cells(name),
+                                    spans=scales.spans, rest=NOT_MOVED)
+            # the miniature's own count, named as such: the real transfer's is in the table beside it
+            counted = f"\n{plural(drawn, 'segment')} drawn in miniature" if drawn else ""
+            ax.set_title(ax.get_title().split("\n")[0] + counted if row == 0 else "", fontsize=FONT)
         maps[0].set_ylabel(_row_label(by, scales.small), fontsize=FONT)
         key = fig.add_subplot(grid[row, -1])
         key.axis("off")

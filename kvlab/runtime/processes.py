@@ -53,10 +53,3 @@ def run_child(module: str, job: dict, what: str, timeout: float, env: dict[str, 
             tail = "\n".join((proc.stderr or proc.stdout).splitlines()[-25:])
             raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{tail}")
         return json.loads(out_path.read_text())
-
-
-def failure_line(error: Exception) -> str:
-    """The last line a failed child printed (run_child quotes its output's end): for a
-    failed engine, the exception vLLM raised, without its worker's rank prefix."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return (lines[-1].removeprefix("[rank0]:").strip() if lines else type(error).__name__)[:300]

@@ -39,6 +39,17 @@ class KVDamage:
         if self.layer is not None and self.kind != "zero":
             raise ValueError("only 'zero' damages a single layer")
 
+    def describe(self) -> str:
+        """The damage in words, for the text beside the checks it moves."""
+        if self.kind == "zero":
+            return "every layer zeroed" if self.layer is None else f"only layer {self.layer} zeroed"
+        if self.kind == "noise":
+            return f"Gaussian noise of {self.scale:.0%} of each layer's own standard deviation added"
+        if self.kind == "block-order":
+            return "the prefix's blocks in another order (each block gets the next one's KV, the last the first's)"
+        return ("a block id off by one (each block gets the next one's KV, the last keeps its own: the first "
+                "block is lost)")
+
     def apply(self, cache: KVCache) -> None:
         """Damage ``cache`` (a chunk's host buffer) in place."""
         layers = list(cache.layers.values())

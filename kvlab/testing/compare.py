@@ -6,16 +6,20 @@ from __future__ import annotations
 import statistics
 from typing import Any, Sequence
 
+from kvlab.testing.spread import SAMPLES_KEY
+
 
 def summarize(name: str, result: dict, phase: str, **labels: Any) -> dict:
     """One table row: median, min and max first-token time of a phase over its prompts
-    (and repeats)."""
+    (and repeats), and every sample (``samples_s``, to the microsecond), so that a reading
+    can put an interval on a difference."""
     rows = result["phases"][phase]
     times = [r["seconds"] for r in rows]
     return {
         "scenario": name, "phase": phase, **labels, "samples": len(rows),
         "prompt_tokens": statistics.median(r["prompt_tokens"] for r in rows),
         "median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
+        SAMPLES_KEY: [round(t, 6) for t in times],
         "cached_tokens": statistics.median(r["cached_tokens"] for r in rows),
     }
 

@@ -288,6 +288,8 @@ def _child(job_path: str, out_path: str) -> None:
         outputs = llm.generate(requests, [params(forced[i]) for i in indices], use_tqdm=False,
                                lora_request=[loras[i] for i in indices] if spec.lora_adapters else None)
         seconds = time.perf_counter() - start
+        if spec.connector == "kvlab":  # its saves finish now: counted with this phase, not timed in the next
+            llm.collective_rpc(worker_calls.settle_saves)
         if phase in DAMAGE_PHASES:
             llm.collective_rpc(worker_calls.undo_damage)
         spent = llm.collective_rpc(worker_calls.read_clock)[0]

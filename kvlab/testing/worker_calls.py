@@ -89,6 +89,18 @@ def kv_cache_layout(worker: Any) -> dict[str, str | None]:
             "cpu_attention": f"{backend.__module__}.{backend.__qualname__}"}
 
 
+def settle_saves(worker: Any) -> None:
+    """Wait for KVLabConnector's queued saves in this worker, so that a timed request starts
+    on a quiet engine: a hit from a shared tier is saved again into memory on the saver
+    thread, and on 2 cores that save would otherwise run inside the next request's time."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    from kvlab.connector import KVLabConnector
+
+    if has_kv_transfer_group() and isinstance(get_kv_transfer_group(), KVLabConnector):
+        get_kv_transfer_group().worker.flush()
+
+
 def connector_stats(worker: Any) -> dict:
     from kvlab.connector.stores import all_stats
 

@@ -142,7 +142,8 @@ def test_overlap_timing_names_each_median():
     timing = layerwise_timing.overlap_timing(lambda: spent.append(4.0), lambda: spent.append(2.0),
                                              lambda: spent.append(4.5), 8, clock, repeats=3)
     assert timing == pytest.approx({"load_s": 4.0, "compute_s": 2.0, "sequential_s": 6.0, "layerwise_s": 4.5,
-                                    "speedup": 6.0 / 4.5, "ideal_speedup": 6.0 / (4.0 + 2.0 / 8)})
+                                    "speedup": 6.0 / 4.5, "speedup_low": 6.0 / 4.5, "speedup_high": 6.0 / 4.5,
+                                    "ideal_speedup": 6.0 / (4.0 + 2.0 / 8)})
 
 
 def test_attention_sweep_rows(tmp_path, monkeypatch):
@@ -264,3 +265,19 @@ def test_ceiling_targets_judge_the_worse_direction():
     assert (targets["per-layer"]["layout"], targets["per-layer"]["ratio"], targets["per-layer"]["met"]) == (
         "LBHNC", 0.85, False)
     assert targets["LHBNC"]["ratio"] == 0.75 and targets["LHBNC"]["met"] and "NO" in bench.format_targets(list(targets.values()))
+
+
+def test_a_method_that_raises_while_timed_fails_the_sweep_instead_of_becoming_a_row(monkeypatch):
+    """Only what is checked before timing (method_status) may be an "unavailable" row."""
+    from kvlab.cache import preset
+    from kvlab.experiments import sweep as sweeps
+    from kvlab.transfer import Transfer
+
+    def broken(self):
+        raise TypeError("'function' object is not subscriptable")
+
+    monkeypatch.setattr(Transfer, "run", broken)
+    pytest.importorskip("lmcache")
+    config = sweeps.Config(preset("llama-3.1-8b"), "flash_attn_v0.12", "lmcache", "offload", 32, "scattered", "KV_2LTD")
+    with pytest.raises(TypeError, match="not subscriptable"):  # LMCache's own function, a peer, raising
+        sweeps.run_sweep([config], "cpu", repeats=1, out=None)

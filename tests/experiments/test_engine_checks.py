@@ -127,3 +127,33 @@ def test_bad_requests_are_refused_before_an_engine_starts(tmp_path) -> None:
         run_any_engine(EngineSpec(str(model), connector="lmcache"), [[1, 2]])
     with pytest.raises(FileNotFoundError, match="no model folder"):
         AccuracyCheck(str(tmp_path / "missing"), paths=reuse_paths()[:2]).run()
+
+
+def test_batch_invariance_a_build_cannot_run_is_a_plain_reason_without_an_engine(monkeypatch) -> None:
+    """Checked before measuring: a row says why in words, never an exception's text."""
+    pytest.importorskip("vllm")
+    from kvlab.experiments import engine_checks
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("an engine was started for a mode this build cannot run")
+
+    monkeypatch.setattr(engine_checks, "run_engine", no_engine)
+    monkeypatch.setattr("vllm.triton_utils.HAS_TRITON", False)
+    row = engine_checks.batch_invariance("m", [[1, 2, 3]])
+    assert row["available"] is False and row["reason"].startswith("this vLLM build has no Triton backend here")
+
+
+def test_an_engine_that_fails_fails_the_run_instead_of_becoming_a_row(monkeypatch) -> None:
+    pytest.importorskip("vllm")
+    from kvlab.experiments import architectures, engine_checks
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("engine kvlab on m failed (exit 1):\nTypeError: 'function' object is not subscriptable")
+
+    monkeypatch.setattr(engine_checks, "batch_invariance_unavailable", lambda: None)
+    monkeypatch.setattr(engine_checks, "run_engine", broken)
+    with pytest.raises(RuntimeError, match="not subscriptable"):
+        engine_checks.batch_invariance("m", [[1, 2, 3]])
+    monkeypatch.setattr(architectures, "run_any_engine", broken)
+    with pytest.raises(RuntimeError, match="not subscriptable"):
+        architectures.architecture_rows(("smollm2-135m-instruct-fp32",), paths=("whole-step",))

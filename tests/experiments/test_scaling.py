@@ -44,18 +44,20 @@ def test_the_stream_bound_is_measured_per_size_and_the_percentile_interpolates()
     assert scaling._percentile([1.0, 2.0, 3.0, 4.0, 5.0], 0.99) == pytest.approx(4.96)
 
 
-def test_targets_say_met_only_within_each_bound() -> None:
-    lengths = [{"path": "KVLab, memory", "prompt_tokens": 2048, "bound_ratio": 1.4},
-               {"path": "KVLab, memory", "prompt_tokens": 8000, "bound_ratio": 1.6},
-               {"path": "KVLab, disk", "prompt_tokens": 8000, "bound_ratio": 9.0}]
-    lookups = [{"tier": "disk", "stored_chunks": 100_000, "prompt_tokens": 2048, "lookup_ms": 0.7},
-               {"tier": "disk", "stored_chunks": 10, "prompt_tokens": 2048, "lookup_ms": 5.0}]
-    serving = [{"server": "KVLabConnector", "concurrency": 16, "throughput_rps": 9.4},
-               {"server": "vLLM prefix cache", "concurrency": 16, "throughput_rps": 10.0}]
-    met = {row["target"].split(":")[0]: row["met"] for row in scaling.targets(lengths, lookups, {"ratio": 1.3}, serving)}
-    assert met == {"hit from memory, 2048 tokens": True, "hit from memory, 8000 tokens": False,
-                   "disk lookup, 2048 tokens, 100,000 chunks stored": True,
-                   "Redis load / the server's own GET pace <= 1.2": False, "16 concurrent": False}
+def test_a_servers_compute_threads_are_read_from_its_log_and_repeats_pool() -> None:
+    """vLLM logs the cores its worker binds: with a connector on 2 cores and no pin, both."""
+    log = ("INFO OpenMP thread binding info: \n\tVLLM_CPU_OMP_THREADS_BIND='auto'\n"
+           "\tlocal_rank=0, core ids=[0, 1]\n\treserved_cpus=[]\n")
+    assert scaling.compute_threads(log) == 2
+    assert scaling.compute_threads(log.replace("[0, 1]", "[1]")) == 1
+    assert scaling.compute_threads("no binding line") is None
+    pooled = scaling._pooled([{"requests": 8, "wall_s": 2.0, "latencies": [0.1] * 8, "cached": [512] * 8},
+                              {"requests": 8, "wall_s": 1.0, "latencies": [0.3] * 8, "cached": [512] * 8},
+                              {"requests": 8, "wall_s": 4.0, "latencies": [0.2] * 8, "cached": [0] * 8}])
+    assert pooled["throughput_samples_rps"] == [4.0, 8.0, 2.0] and pooled["throughput_rps"] == 4.0
+    assert pooled["requests"] == 24 and pooled["repeats"] == 3 and pooled["ttft_p50_s"] == 0.2
+    with pytest.raises(ValueError, match="repeats must be a positive integer"):
+        scaling.concurrency_sweep("m", list(range(10_000)), repeats=0)
 
 
 def test_vllm_serve_with_its_defaults_and_no_connector_takes_extra_options() -> None:

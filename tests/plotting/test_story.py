@@ -4,6 +4,7 @@ import pandas as pd
 import pytest
 
 from kvlab.cache import preset, sweep
+from kvlab.plotting import story
 from kvlab.plotting.story import (
     Takeaways,
     accuracy_takeaways,
@@ -35,7 +36,8 @@ def test_layout_takeaways_count_the_copies_of_each_block_size():
 def _bench_row(layout, method, direction, ratio, segments, cross_layer, **extra):
     return {"status": "ok", "model": "org/Model", "tokens": 1024, "block_ids": "scattered", "target": "host",
             "hardware": "cpu: Test (2 cores)", "layout": layout, "method": method, "direction": direction,
-            "ratio": ratio, "segments": segments, "cross_layer": cross_layer, **extra}
+            "ratio": ratio, "ratio_q1": ratio and ratio - 0.02, "ratio_q3": ratio and ratio + 0.02, "repeats": 9,
+            "segments": segments, "cross_layer": cross_layer, "run_id": "r", **extra}
 
 
 def test_transfer_takeaways_take_the_worse_direction_of_the_best_method():
@@ -49,12 +51,14 @@ def test_transfer_takeaways_take_the_worse_direction_of_the_best_method():
             _bench_row("BLHNC", "triton", "load", None, 64, True, status="unavailable: no GPU")]
     layerwise = [{"model": "org/Model", "tokens": 256, "intensity": i, "speedup": s} for i, s in
                  ((0.5, 0.7), (2, 1.2), (4, 1.5))]
-    ratios, copies, overlap = transfer_takeaways(pd.DataFrame(rows), "org/Model", 1024, layerwise).points
-    assert "best cross-layer transfer (BLHNC, gather) reaches 0.90" in ratios
+    ratios, gains, copies, overlap = transfer_takeaways(pd.DataFrame(rows), "org/Model", 1024, layerwise).points
+    assert "best cross-layer transfer (BLHNC, gather) reaches 0.90 (quartiles 0.88–0.92 over 9 repeats)" in ratios
+    assert "the cross-layer one is the faster beyond the spread" in ratios
+    assert "per copy method: `gather` 1.50× (above 1: cross-layer faster)" in gains  # segments: no cross-layer row
     assert "best per-layer one (LBHNC, segments) 0.65" in ratios and "cpu: Test (2 cores)" in ratios
     assert copies == "The same bytes take per-layer layouts 2,048 copies and cross-layer ones 64."
     assert "at best 1.50× (Model, 256 tokens, compute intensity 4)" in overlap
-    assert "2 of 3 settings, none below compute intensity 2" in overlap
+    assert "kept no interval, so this run cannot say where it beat loading first" in overlap
 
 
 def test_transfer_takeaways_without_rows_of_the_headline_is_a_clear_error():
@@ -62,25 +66,62 @@ def test_transfer_takeaways_without_rows_of_the_headline_is_a_clear_error():
         transfer_takeaways([_bench_row("LBHNC", "gather", "load", 0.6, 2048, False)], "org/Other", 1024)
 
 
-def test_connector_takeaways():
-    ttft = [{"scenario": s, "median_s": m, "overhead_s": o, "cached_tokens": 1984, "prompt_tokens": 2000,
-             "identical": 4, "prompts": 5, "model": "smollm2"} for s, m, o in
-            (("recompute", 4.0, None), ("vLLM prefix hit", 0.08, 0.0), ("KVLab whole-step, memory", 0.09, 0.01),
-             ("KVLab whole-step, disk", 0.1, 0.02), ("ExampleConnector", 0.1, 0.018))]
-    registration = [{"cross_layer": c, "tokens": 1024, "save_segments": n, "save_ms": ms}
-                    for c, n, ms in ((False, 2048, 64.0), (False, 16384, 89.0), (True, 64, 35.0))]
-    network = [{"layout": layout, "strategy": strategy, "tokens": 2048, "objects_per_chunk": n, "store_s": s}
-               for layout, strategy, n, s in (("LBHNC", "object per run", 240, 0.049),
-                                              ("BLHNC", "object per run", 8, 0.013),
-                                              ("BLHNC", "object per chunk (gather)", 1, 0.035))]
-    ttft_point, identical, handover, redis = connector_takeaways(pd.DataFrame(ttft), registration, network).points
-    assert "**KVLab whole-step, memory** answers in 90 ms: 10.0 ms over vLLM's own prefix hit (80 ms)" in ttft_point
-    assert "44× faster than recompute (4,000 ms); ExampleConnector adds 18.0 ms" in ttft_point
-    assert "on 4 of 5 prompts (smollm2)" in identical
-    assert "per-layer registrations cost 2,048–16,384 copies per save (64–89 ms)" in handover
-    assert "cross-layer ones 64 copies per save (35 ms)" in handover
-    assert "240 objects per chunk per-layer (LBHNC) and 8 cross-layer (BLHNC): stored in 49 ms against 13 ms" in redis
-    assert len(connector_takeaways(ttft).points) == 2  # the other tables are optional
+def _ttft_rows(warm_ms: list[float], floor_ms: list[float], example_ms: list[float], plain_ms: list[float]) -> list:
+    """Rows as ttft_scenarios writes them, samples kept, through with_overheads."""
+    from kvlab.experiments.ttft import with_overheads
+
+    def row(scenario, phase, samples, floor=None, connector="kvlab"):
+        seconds = [x / 1e3 for x in samples]
+        out = {"scenario": scenario, "phase": phase, "samples": len(seconds), "samples_s": seconds,
+               "median_s": sorted(seconds)[len(seconds) // 2], "min_s": min(seconds), "max_s": max(seconds),
+               "cached_tokens": 1984, "prompt_tokens": 2000, "identical": 4, "prompts": 5, "model": "smollm2",
+               "connector": connector, "hardware": "cpu: Test (2 cores)", "profile": "paper", "run_date": "2026-12-07"}
+        if floor is not None:
+            secs = [x / 1e3 for x in floor]
+            out.update(engine_floor_s=sorted(secs)[len(secs) // 2], engine_floor_samples_s=secs)
+        return out
+
+    plain = [x for x in plain_ms]
+    return with_overheads([row("recompute", "cold", [4000.0, 4010, 3990], plain, "none"),
+                           row("vLLM prefix hit", "floor", plain, plain, "none"),
+                           row("KVLab whole-step, memory", "warm", warm_ms, floor_ms),
+                           row("ExampleConnector", "warm", example_ms, floor_ms, "example")])
+
+
+def test_connector_takeaways_claim_a_difference_only_beyond_its_interval():
+    apart = _ttft_rows([90, 91, 92, 90.5, 91.5], [80, 80.5, 81, 79.5, 80.2], [100, 101, 99, 100.5, 99.5],
+                       [80, 81, 79, 80.5, 80.2])
+    first, versus = connector_takeaways(pd.DataFrame(apart)).points[:2]
+    assert "**KVLab whole-step, memory** answers in 91.0 ms" in first and "(run: cpu: Test (2 cores), paper" in first
+    assert "10.8 ms (95% bootstrap interval 9.5–12.0 ms, 5 samples a side)" in first
+    assert "44× faster than recompute's 4,000 ms" in first
+    assert versus.endswith("KVLab takes 9.0 ms less than ExampleConnector (95% bootstrap interval 7.5–10.7 ms, "
+                           "5 samples a side).")
+    close = _ttft_rows([90, 95, 85, 92, 88], [80, 85, 75, 82, 78], [91, 96, 86, 93, 89], [80, 81, 79, 80.5, 80.2])
+    versus = connector_takeaways(close).points[1]
+    assert versus.startswith("Against vLLM's ExampleConnector, each over its own floor: this run cannot tell KVLab "
+                             "from ExampleConnector: KVLab takes 1.0 ms less, within the spread")
+    one = _ttft_rows([90], [80], [100], [80])  # one sample a side: nothing is claimed
+    assert "fewer than 3 samples a side" in connector_takeaways(one).points[1]
+
+
+def test_a_floor_beyond_the_plain_engines_is_flagged_not_read_as_a_finding():
+    slow = _ttft_rows([120, 121, 122, 120.5, 121.5], [78, 79, 78.5, 79.5, 78.2], [100, 101, 99, 100.5, 99.5],
+                      [36, 37, 36.5, 37.5, 36.2])
+    flags = story.floor_flags(slow)
+    assert len(flags) == 1 and "**KVLab whole-step, memory**" in flags[0] and "a fault to find" in flags[0]
+    assert {r["scenario"]: r["floor_differs"] for r in slow}["KVLab whole-step, memory"]
+    assert not story.floor_flags(_ttft_rows([90, 91, 92], [80, 81, 79], [100, 101, 99], [80, 81, 79]))
+    assert "a fault to find" in story.ttft_reading(slow).markdown()
+
+
+def test_rows_without_samples_are_shown_never_compared():
+    legacy = [{k: v for k, v in r.items() if k not in ("samples_s", "engine_floor_samples_s")}
+              for r in _ttft_rows([90, 91, 92], [80, 81, 79], [100, 101, 99], [80, 81, 79])]
+    from kvlab.experiments.ttft import with_overheads
+
+    text = story.ttft_reading(with_overheads(legacy)).markdown()
+    assert "but the samples were not kept to compare" in text and "no difference is claimed" in text
 
 
 def test_accuracy_takeaways():
@@ -97,7 +138,7 @@ def test_accuracy_takeaways():
     exact, identical, score, damage = accuracy_takeaways(pd.DataFrame(roundtrips), generations, task, damaged).points
     assert exact.startswith("24 of 24 KV round trips (1 layout × method pairs of 1 models)")
     assert identical.endswith("KVLab whole-step 30/30 (bitwise), LMCache 30/30 (2.3e-05); "
-                              "vLLM's own prefix hit, the control, 30/30.")
+                              "vLLM's own prefix hit, the control, 30/30 (run: this machine, unrecorded profile).")
     assert score == "On the task (exact-match) recompute scores 0.565 ± 0.035, the 1 reuse paths 0.565."
     assert damage.endswith("zeroed 200/200, block-order 0/200.")
 

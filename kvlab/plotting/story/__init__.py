@@ -1,0 +1,24 @@
+"""Each notebook's words read from its result rows: the takeaways a notebook ends with and
+the readings it shows where it would otherwise type numbers, so its text says what the run on
+the page measured, and follows the results when they change. A number carries its sample
+count and spread, a comparison claims a difference only beyond the spread, and each reading
+names whose run it quotes. One module per notebook (layouts: 01 and 05, transfer: 02,
+connector and serving: 03, accuracy: 04) over the shared wording (claims)."""
+
+from kvlab.plotting.story.accuracy import (accuracy_takeaways, connectors_reading, damages_reading,
+                                           generations_reading, task_reading)
+from kvlab.plotting.story.claims import Prose, Takeaways, prose, takeaways
+from kvlab.plotting.story.connector import (connector_takeaways, floor_flags, layouts_reading, registration_reading,
+                                            timeline_reading, ttft_reading)
+from kvlab.plotting.story.layouts import extension_takeaways, layout_takeaways
+from kvlab.plotting.story.serving import (concurrency_reading, lease_reading, lengths_reading, lookups_reading,
+                                          pace_reading, profile_reading, scale_reading, strategies_reading)
+from kvlab.plotting.story.transfer import break_even_reading, fit_reading, transfer_takeaways
+
+__all__ = [
+    "Prose", "Takeaways", "prose", "takeaways", "layout_takeaways", "extension_takeaways", "transfer_takeaways",
+    "fit_reading", "break_even_reading", "ttft_reading", "floor_flags", "timeline_reading", "registration_reading",
+    "layouts_reading", "connector_takeaways", "strategies_reading", "lease_reading", "scale_reading",
+    "profile_reading", "lengths_reading", "lookups_reading", "pace_reading", "concurrency_reading",
+    "accuracy_takeaways", "generations_reading", "task_reading", "damages_reading", "connectors_reading",
+]
