@@ -83,7 +83,9 @@ def pipeline_timing(geometry: ModelGeometry, tokens: int, intensities: Sequence[
     hidden, compute, one_matmul = chosen
     rows = []
     for intensity in intensities:
-        times = max(0, round(intensity * per_layer_load / one_matmul))
+        # at least one matmul: on a slow machine even the narrowest can outlast a small layer's load,
+        # and a stand-in of no compute would time nothing (the row says the intensity it reached)
+        times = max(1, round(intensity * per_layer_load / one_matmul))
 
         def compute_all() -> None:
             for _ in range(geometry.num_layers):
@@ -101,6 +103,8 @@ def pipeline_timing(geometry: ModelGeometry, tokens: int, intensities: Sequence[
         rows.append({
             "record": "row", "kind": "layerwise", "model": geometry.name, "num_layers": geometry.num_layers,
             "tokens": tokens, "method": method, "intensity": intensity, "matmuls_per_layer": times, "hidden": hidden,
+            "matmul_s": one_matmul, "layer_load_s": per_layer_load,
+            "reached_intensity": times * one_matmul / per_layer_load,
             **timing, "repeats": repeats, "status": "ok",
         })
     return rows

@@ -115,12 +115,17 @@ def layerwise_point(rows: Any) -> str | None:
         where = "these rows kept no interval, so this run cannot say where it beat loading first"
     else:
         where = (f"beyond its bootstrap interval it beat loading first in {len(faster)} of {len(bounded)} settings"
-                 + (f" (compute intensity {span((r['intensity'] for r in faster), digits=2)})" if faster else "")
+                 + (f" (compute intensity {span((_intensity(r) for r in faster), digits=2)})" if faster else "")
                  + f" and lost in {len(slower)}")
     interval = (f" (95% bootstrap interval {best['speedup_low']:.2f}–{best['speedup_high']:.2f})"
                 if number(best.get("speedup_low")) else "")
     return (f"Layerwise loading: at best {best['speedup']:.2f}×{interval} ({short_model(best['model'])}, "
-            f"{best['tokens']:,} tokens, compute intensity {best['intensity']:g}); {where} {quoted(rows)}.")
+            f"{best['tokens']:,} tokens, compute intensity {_intensity(best):.2g}); {where} {quoted(rows)}.")
+
+
+def _intensity(row: dict) -> float:
+    """The compute intensity a row reached (its stand-in's whole matmuls), else the one it asked for."""
+    return row["reached_intensity"] if number(row.get("reached_intensity")) else row["intensity"]
 
 
 def transfer_takeaways(rows: Any, model: str, tokens: int, layer_rows: Any = None) -> Takeaways:
