@@ -29,7 +29,8 @@ conformance: env
 	@bash scripts/setup-vllm-next
 	PYTHONPATH=.venv-vllm-next $(PY) -m pytest -n 2 --dist loadgroup -m "not extended" $(CONFORMANCE)
 
-# Redraw every figure from the committed results in data/results (measures nothing).
+# Redraw every figure from the committed results in data/results (measures nothing), and render
+# docs/results.md from them. `make run` leaves that page alone: commit the runs it measured, then this.
 figures: env
 	$(PY) -m kvlab notebooks --from-results
 

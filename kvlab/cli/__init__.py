@@ -1,4 +1,4 @@
-"""Command line: ``python -m kvlab layout|bench|layerwise|notebooks|report|lab|models|lmeval ...``.
+"""Command line: ``python -m kvlab layout|bench|layerwise|notebooks|report|results-doc|lab|models|lmeval ...``.
 
 Imports torch only at start-up (matplotlib where a report needs it), so ``bench`` runs on
 a bare GPU machine."""
@@ -292,12 +292,32 @@ def run_report(args: argparse.Namespace) -> int:
 
 
 def run_notebooks(args: argparse.Namespace) -> int:
-    """Execute the notebooks headless into ``--out``, then rebuild the report from them."""
+    """Execute the notebooks headless into ``--out``, then rebuild the report from them; drawn
+    from the committed results (make figures), also render docs/results.md from them. A run
+    that measures (make run) leaves the page alone: its new rows are not committed yet."""
     from kvlab.plotting.report import write_report
+    from kvlab.results import committed_results_dir
     from kvlab.runtime.notebooks import run_notebooks as execute
 
     execute(profile=args.profile, only=args.only, out=args.out, measure=not args.from_results)
     write_report(Path(args.out) / "notebooks", Path(args.out) / "report")
+    drawn_from = Path(args.out) / "results"
+    if args.from_results and drawn_from.resolve() == committed_results_dir().resolve():
+        return run_results_doc(argparse.Namespace(results_dir=drawn_from, doc=None, check=False))
+    return 0
+
+
+def run_results_doc(args: argparse.Namespace) -> int:
+    """Render docs/results.md's regions from the results (``--check``: exit 1, changing
+    nothing, when the page is not what they render)."""
+    from kvlab.plotting.story.documents import RESULTS_DOC, STALE, write_results_doc
+
+    doc = Path(args.doc) if args.doc else RESULTS_DOC
+    changed = write_results_doc(args.results_dir, doc, check=args.check)
+    if args.check and changed:
+        print(f"kvlab: {doc} is not what the results render: {STALE}", file=sys.stderr)
+        return 1
+    print(f"kvlab: {doc} {'rendered' if changed else 'already renders'} the results", file=sys.stderr)
     return 0
 
 
@@ -314,6 +334,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, Sequence[str]], int]] = {
     "layout": lambda args, extra: run_layout(args),
     "notebooks": lambda args, extra: run_notebooks(args),
     "report": lambda args, extra: run_report(args),
+    "results-doc": lambda args, extra: run_results_doc(args),
     "bench": lambda args, extra: run_bench(args),
     "layerwise": lambda args, extra: run_layerwise(args),
     "models": lambda args, extra: run_models(args),

@@ -52,6 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--notebooks-dir", default="data/notebooks", help="the executed notebooks")
     rep.add_argument("--out", default="data/report", help="where index.html goes")
 
+    doc = sub.add_parser("results-doc", help="render docs/results.md's measured numbers from the committed results")
+    doc.add_argument("--results-dir", default=None, help="the results to render from (default: the committed ones)")
+    doc.add_argument("--doc", default=None, help="the page (default: the checkout's docs/results.md)")
+    doc.add_argument("--check", action="store_true", help="change nothing; exit 1 when the page is not what the "
+                                                          "results render")
+
     bench = sub.add_parser("bench", help="time offload and load against this machine's copy ceiling")
     bench.add_argument("--profile", choices=["quick", "standard", "full", "gpu", "ceiling", "dry"], default=None,
                        help="a preset sweep (default: full's methods and layouts for the models given)")

@@ -21,6 +21,10 @@ from kvlab.testing.compare import same_outputs, summarize
 from kvlab.testing.engine import EngineSpec, check_inputs, run_engine
 
 SAVE_REFERENCE_BYTES = 43.6 * 2**20  # a 2000-token SmolLM2 bf16 prefix: the issue's unit for save blocking
+# The issue's targets for the deployed connector (:func:`targets`)
+OVERHEAD_VS_EXAMPLE_TARGET = 0.5  # at most: KVLab's TTFT overhead as a share of ExampleConnector's
+SAVE_TARGET_MS = 5.0  # at most: the model runner's milliseconds in save calls per SAVE_REFERENCE_BYTES
+DECODE_TARGET = 0.95  # at least: decode throughput with the connector over without
 
 
 def serving_costs(model: str, prompts: list[list[int]], decode_prompts: list[list[int]], workdir: str | Path,
@@ -111,17 +115,17 @@ def sharing_runs(model: str, prompts: list[list[int]], workdir: str | Path, redi
 
 def targets(serving: list[dict]) -> dict[str, Any]:
     """The issue's three targets from :func:`serving_costs` rows: the connector's TTFT
-    overhead as a share of ExampleConnector's (<= 0.5), the model runner's milliseconds in
-    save calls per SAVE_REFERENCE_BYTES (<= 5), decode throughput with the connector
-    against without (>= 0.95)."""
+    overhead as a share of ExampleConnector's, the model runner's milliseconds in save
+    calls per SAVE_REFERENCE_BYTES, decode throughput with the connector against without
+    (each against its target above)."""
     by = {row["engine"]: row for row in serving}
     kvlab, example = by["KVLabConnector"], by[Reuse.EXAMPLE_CONNECTOR.label]
     ratio = kvlab["overhead_s"] / example["overhead_s"] if example["overhead_s"] > 0 else float("inf")
     save_ms = 1e3 * kvlab["save_s_per_reference"]
     decode = by["decode, KVLabConnector"]["tokens_per_s"] / by["decode, no connector"]["tokens_per_s"]
-    return {"overhead_vs_example": ratio, "overhead_target_met": ratio <= 0.5,
-            "save_ms_per_43.6MiB": save_ms, "save_target_met": save_ms <= 5.0,
-            "decode_ratio": decode, "decode_target_met": decode >= 0.95}
+    return {"overhead_vs_example": ratio, "overhead_target_met": ratio <= OVERHEAD_VS_EXAMPLE_TARGET,
+            "save_ms_per_43.6MiB": save_ms, "save_target_met": save_ms <= SAVE_TARGET_MS,
+            "decode_ratio": decode, "decode_target_met": decode >= DECODE_TARGET}
 
 
 def serve_check(model: str | Path, text: str, extra: dict | None = None, max_tokens: int = 16,

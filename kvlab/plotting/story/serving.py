@@ -235,3 +235,37 @@ def concurrency_reading(concurrency: Any, level: int = 16) -> Prose:
                        "not the connector.")
     return paragraphs(prose(f"Requests per second through `vllm serve` {quoted(rows)}:"), Prose("\n".join(lines)),
                       prose(judged, medians_only(*(throughput(r) for r in rows))))
+
+
+def serve_reading(serve: Any) -> Prose:
+    """LMCache #2498's `vllm serve` command run as written: what a prompt found cached the
+    first time, repeated (vLLM's own prefix cache), and repeated after its reset (the connector)."""
+    rows = as_records(serve)
+    if not rows:
+        return prose(None)
+    r = rows[0]
+    return prose(f"{r['processes']} processes, ready in {amount(r['startup_s'], 's', 0)}; a "
+                 f"{r['prompt_tokens']:,}-token prompt found {r['cold_cached']:,} tokens cached the first time, "
+                 f"{r['vllm_repeat_cached']:,} repeated (vLLM's own prefix cache) and "
+                 f"{r['connector_repeat_cached']:,} repeated after `/reset_prefix_cache` (the connector), "
+                 f"{'with' if r['same_text'] else 'but not with'} the same text {quoted(rows)}.")
+
+
+def load_test_reading(runs: Any) -> Prose:
+    """``kvlab loadtest``: every run of it given (the connector under faults, and vLLM's own
+    prefix cache under the same load as the baseline), what failed, what differed from its
+    same-split control, and what the connector counted."""
+    said = []
+    for r in as_records(runs):
+        counted, faults = r.get("kvlab") or {}, r.get("faults") or {}
+        injected = (f", a fault injected every {amount(r['fault_interval_s'], 's', 0)} ({sum(faults.values()):,}: "
+                    + ", ".join(f"{kind} {count:,}" for kind, count in faults.items()) + ")" if counted else
+                    ", no connector and no faults (the baseline)")
+        connector = (f" The connector counted {counted['load_errors']:,.0f} failed loads (recomputed), "
+                     f"{counted['fallback_loads']:,.0f} loads from a further tier, {counted['cancelled_saves']:,.0f} "
+                     f"saves cancelled and {counted['preemptions']:,.0f} preemptions." if counted else "")
+        said.append(f"{r['requests_sent']:,} requests from {r['clients']} clients with a {r['num_gpu_blocks']}-block "
+                    f"KV cache{injected}: {r['failed']:,} failed, {r['differing_tokens']:,} with tokens other than "
+                    f"their same-split control's, {r['within_drift']:,} within its drift (the largest logprob gap "
+                    f"{r['max_gap']:.2g}), {r['hits']:,} prefix hits {quoted([r])}.{connector}")
+    return Prose("\n\n".join(said)) if said else prose(None)

@@ -1,0 +1,186 @@
+"""Markdown tables read from result rows, for the pages rendered from them (docs/results.md):
+what a notebook shows as a DataFrame, as a reader cites it. Each table is captioned with
+whose run it shows, and a number carries its spread where the rows keep one. Notebooks 02
+and 03 here; notebook 04's in accuracy_tables."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+from kvlab.experiments.targets import CPU_TARGETS, ceiling_targets
+from kvlab.experiments.ttft import engine_floor
+from kvlab.plotting.common import as_records, human_bytes, model_name, short_hardware
+from kvlab.plotting.story.claims import Prose, amount, number, quantity, quoted, span
+from kvlab.testing.spread import MEDIAN_ONLY, Estimate, row_estimate, summary
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A Markdown table (a ``|`` inside a cell escaped)."""
+    def line(cells: Sequence[Any]) -> str:
+        return "| " + " | ".join(str(cell).replace("|", "\\|") for cell in cells) + " |"
+
+    return "\n".join([line(header), "|" + "---|" * len(header), *map(line, rows)])
+
+
+def captioned(caption: str, header: Sequence[str], rows: Iterable[Sequence[Any]], measured: Any) -> Prose:
+    """A table under a caption that ends with whose run ``measured`` (the rows) is."""
+    return Prose(f"{caption} {quoted(measured)}:\n\n{markdown_table(header, rows)}")
+
+
+def _ratio_cell(row: dict | None) -> str:
+    """``0.83 (0.80–0.87)``: a ratio to the ceiling with its quartiles over the repeats."""
+    if row is None:
+        return ""
+    return f"{row['ratio']:.2f} ({row.get('ratio_q1', row['ratio']):.2f}–{row.get('ratio_q3', row['ratio']):.2f})"
+
+
+def transfer_table(rows: Any, model: str, tokens: int) -> Prose:
+    """Notebook 02: each layout's and method's share of the same-run copy ceiling moving
+    ``tokens`` scattered tokens of ``model`` to host memory, offload / load."""
+    rows = [r for r in as_records(rows) if r.get("status") == "ok" and r["model"] == model and r["tokens"] == tokens
+            and r.get("block_ids") == "scattered" and r.get("target") == "host" and number(r.get("ratio"))]
+    if not rows:
+        raise ValueError(f"no transfer rows of {model} at {tokens} tokens (scattered, to host memory)")
+    at = {(r["layout"], r["method"], r["direction"]): r for r in rows}
+    layouts, methods = dict.fromkeys(r["layout"] for r in rows), list(dict.fromkeys(r["method"] for r in rows))
+    body = []
+    for layout in layouts:
+        first = next(r for r in rows if r["layout"] == layout)
+        body.append([f"{layout} ({first['segments']:,} × {human_bytes(first['mean_segment_bytes'])})"]
+                    + [" / ".join(_ratio_cell(at.get((layout, m, d))) for d in ("offload", "load")) for m in methods])
+    return captioned(f"{model_name(model)}, {tokens:,} tokens in scattered blocks: each method's median share of "
+                     f"the same-run copy ceiling (interquartile range over {span(r.get('repeats', 1) for r in rows)} "
+                     "repeats), offload / load", ["layout (segments × size)", *methods], body, rows)
+
+
+def _verdict(row: dict, goal: float) -> str:
+    low, high = row.get("ratio_q1", row["ratio"]), row.get("ratio_q3", row["ratio"])
+    return "met" if low >= goal else "missed" if high < goal else "within the spread of the target"
+
+
+def ceiling_table(rows: Any) -> Prose:
+    """The CPU copy engines against their targets, per run: the best method of each group in
+    its worse direction, judged on its interquartile range, and the ceilings it ran under."""
+    rows = as_records(rows)
+    targets = ceiling_targets(rows)
+    if not targets:
+        raise ValueError("no ceiling-profile rows to judge the CPU targets on")
+    by = {(r["run_id"], r["layout"], r["method"], r["direction"]): r for r in rows
+          if r.get("status") == "ok" and r.get("target") == "host"}
+    runs = list(dict.fromkeys(t["run_id"] for t in targets))
+    body = []
+    for name, goal in CPU_TARGETS.items():
+        cells = []
+        for run in runs:
+            best = next((t for t in targets if t["run_id"] == run and t["target"] == name), None)
+            row = best and by[(run, best["layout"], best["method"], best["direction"])]
+            cells.append(f"{best['layout']} `{best['method']}` ({best['direction']}) {_ratio_cell(row)}: "
+                         f"{_verdict(row, goal)}" if row else "")
+        body.append([name, f"{goal:.2f}", *cells])
+    ceilings = [r["ceiling_gbps"] for r in rows if number(r.get("ceiling_gbps"))]
+    streams = [r["native_ceiling_gbps"] for r in rows if number(r.get("native_ceiling_gbps"))]
+    native = [t["native_ratio"] for t in targets if t["target"] == "cross-layer" and number(t.get("native_ratio"))]
+    machines = "; ".join(dict.fromkeys(short_hardware(r.get("hardware")) for r in rows))
+    table = captioned(f"The best method of each group in its worse direction, median share of the same-run ceiling "
+                      f"(interquartile range), one column a run back to back on {machines}",
+                      ["target", "at least", *(f"run {i}" for i in range(1, len(runs) + 1))], body, rows)
+    ceilings_line = (f"The ceiling (torch's contiguous copy of the same bytes) was {span(ceilings, ' GB/s', 1)} "
+                     f"and the STREAM-style copy {span(streams, ' GB/s', 1)}" if streams else
+                     f"The ceiling was {span(ceilings, ' GB/s', 1)}")
+    against = (f"; the best cross-layer method reached {span(native, '', 2)} of the STREAM-style copy." if native
+               else ".")
+    return Prose(f"{table}\n\n{ceilings_line}{against}")
+
+
+def _ms(estimate: Estimate) -> str:
+    """``86.5 (85.2–108.9) ms``: a timing in seconds as a table cell, its interval in brackets
+    (bare where the row kept no spread; the caption says which interval)."""
+    value = estimate.scaled(1e3)
+    if value.how == MEDIAN_ONLY or value.low == value.high:
+        return amount(value.value, "ms", 1)
+    return f"{value.value:,.1f} ({value.low:,.1f}–{value.high:,.1f}) ms"
+
+
+def ttft_table(ttft: Any) -> Prose:
+    """Notebook 03, section 1: each scenario's time to first token beside its own engine's
+    prefix hit (rows of ttft.with_overheads; the overheads are the reading's)."""
+    rows = as_records(ttft)
+    body = [[r["scenario"], _ms(row_estimate(r)),
+             _ms(row_estimate(engine_floor(r))) if r.get("phase") != "cold" and number(r.get("engine_floor_s")) else "",
+             f"{r['identical']} of {r['prompts']}"] for r in rows]
+    first = rows[0]
+    return captioned(f"{model_name(first['model'])}, {first['prompt_tokens']:,}-token prompts, time to first token: "
+                     f"median (min–max) over {span(r.get('samples') or 1 for r in rows)} samples a scenario",
+                     ["scenario", "time to first token", "its engine's own prefix hit",
+                      "generations identical to recompute"], body, rows)
+
+
+def _range(row: dict, key: str) -> Any:
+    low, high = row[f"{key}_range"]
+    return summary(row[key], min(low, row[key]), max(high, row[key]), row["rounds"])
+
+
+def throughput_table(rows: Any) -> Prose:
+    """Notebook 03, section 4: prefill and decode throughput of plain CPU_ATTN and kvlab's
+    backend on each layout, with each ratio's range over the interleaved rounds."""
+    rows = as_records(rows)
+    body = [[r["backend"], r["layout"], amount(r["prefill_tok_s"], "tok/s", 0), amount(r["decode_tok_s"], "tok/s", 1),
+             quantity(_range(r, "prefill_ratio"), "×", 2), quantity(_range(r, "decode_ratio"), "×", 2)] for r in rows]
+    first = rows[0]
+    return captioned(f"{model_name(first['model'])}, no connector: prefill of {first['prompt_tokens']:,.0f}-token "
+                     f"prompts, {first['decode_tokens']} tokens decoded; medians over {first['rounds']} interleaved "
+                     "rounds, each ratio against plain CPU_ATTN taken within a round",
+                     ["engine", "layout", "prefill", "decode", "prefill ratio", "decode ratio"], body, rows)
+
+
+def serving_table(serving: Any) -> Prose:
+    """Notebook 03, section 5: vLLM's own processes, each engine's prefix hit, warm time to
+    first token, overhead, the model runner's time in save calls, and decode throughput."""
+    rows = as_records(serving)
+
+    def ms(row: dict, key: str) -> str:
+        return amount(1e3 * row[key], "ms", 1) if number(row.get(key)) else ""
+
+    body = [[r["engine"], ms(r, "floor_s"), ms(r, "warm_s"), ms(r, "overhead_s"), ms(r, "save_s_per_reference"),
+             amount(r["tokens_per_s"], "tok/s", 1) if number(r.get("tokens_per_s")) else "",
+             f"{r['identical']} of {r['prompts']}" if number(r.get("prompts")) else ""] for r in rows]
+    stored = next((r["stored_bytes"] for r in rows if number(r.get("stored_bytes"))), None)
+    per = f" per {stored / 2**20:,.1f} MiB stored" if stored else ""
+    return captioned(f"{model_name(rows[0]['model'])} through vLLM's default processes, medians whose samples these "
+                     "rows did not keep (no difference is claimed from them)",
+                     ["engine", "its own prefix hit", "warm", "over its own prefix hit",
+                      f"model runner in save calls{per}", "decode", "identical to the plain engine"], body, rows)
+
+
+def sharing_table(sharing: Any) -> Prose:
+    """Notebook 03, section 5: engines that read what another process stored (shared memory,
+    Redis) and tensor-parallel ranks, each against the writer's tokens and logprobs."""
+    rows = as_records(sharing)
+
+    def listed(value: Any) -> str:
+        return ", ".join(f"{v:,}" for v in value) if isinstance(value, list) else f"{value:,}"
+
+    body = [[r["engine"], model_name(r["model"]), r["ranks"], listed(r["cached_tokens"]), listed(r["prompt_tokens"]),
+             listed(r["loaded_blocks_per_rank"]), r["shm_reads"], r["redis_reads"], r["load_errors"],
+             f"{r['identical']} of {r['prompts']}", f"{r['max_logprob_diff']:.2g}"] for r in rows]
+    return captioned("Engines sharing stored KV", ["engine", "model", "ranks", "cached tokens", "of prompt tokens",
+                                                   "blocks loaded per rank", "shared-memory reads", "Redis reads",
+                                                   "failed loads", "identical to the writer",
+                                                   "largest logprob difference"], body, rows)
+
+
+def peers_table(peers: Any) -> Prose:
+    """Notebook 03, section 5: vLLM's and LMCache's own connectors and kvlab's tiers on a
+    Mooncake Store and a Redis Cluster, engine B loading what engine A stored."""
+    rows = as_records(peers)
+    body = [[r["peer"], r["store"], r.get("version", ""), "yes" if r.get("runs") else f"no: {r.get('reason')}",
+             f"{r['loaded_tokens']:,}" if number(r.get("loaded_tokens")) else "",
+             "yes" if r.get("identical_to_control") else "no",
+             f"{r['logprob_diff_vs_control']:.2g}" if number(r.get("logprob_diff_vs_control")) else "",
+             f"{r['gap_to_cold']:.2g}" if number(r.get("gap_to_cold")) else "",
+             f"{r['objects_per_chunk']:,.2f}" if number(r.get("objects_per_chunk")) else "",
+             ", ".join(map(str, r.get("keys_per_node") or []))] for r in rows]
+    return captioned("Engine B, a new process, loading what engine A stored, against the same-split control",
+                     ["peer", "store", "version", "runs", "tokens loaded", "tokens and logprobs bitwise the control's",
+                      "logprob difference from the control", "largest gap to A's whole prefill", "objects a chunk",
+                      "keys a node"], body, rows)
