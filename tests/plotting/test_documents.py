@@ -61,9 +61,9 @@ def test_typed_numbers_finds_measurements_outside_regions_code_and_sourced_quote
     page = "\n".join(["took 12.5 ms, 1.4x and 3 % here; 2,000 tokens, 0.32 and a 95% bootstrap interval are not",
                       "<!-- rendered: lease -->", "rendered 9.9 ms", CLOSING,
                       "```console", "$ kvlab bench  # 8.1 GB/s", "```",
-                      "> 0.8400 against 4.2 ms (vllm-ascend #2039, published)",
+                      "> 0.8400 against 4.2 ms", "> (vllm-ascend #2039, published)", "",
                       "> 7 ms quoted from nowhere", "", "ends at 63.6 req/s"])
-    assert [hit.split(":")[0] for hit in typed_numbers(page)] == ["line 1"] * 3 + ["line 11"]
+    assert [hit.split(":")[0] for hit in typed_numbers(page)] == ["line 1"] * 3 + ["line 11", "line 13"]
     assert typed_numbers("> a quotation: 5.0 tok/s\n> with no source") != []
 
 
