@@ -162,10 +162,13 @@ def fit_markdown(evaluation: Sequence[dict[str, Any]], parameters: Sequence[dict
             f"{worst['predicted']:.3g} predicted ({100 * worst['error']:+.0f}%).{own_text}")
 
 
-def answer_markdown(question: Sequence[dict[str, Any]], cpu_gains: Sequence[dict[str, Any]]) -> str:
-    """The reference pull requests' question answered from the model, and set against the CPU
-    cost model's gains (kvlab.experiments.costmodel.chunk_gain rows) where they disagree."""
+def answer_markdown(question: Sequence[dict[str, Any]], cpu_gains: Sequence[dict[str, Any]],
+                    evaluation: Sequence[dict[str, Any]] = ()) -> str:
+    """The reference pull requests' question answered from the model (with NIXL's held-out
+    error from ``evaluation``), and set against the CPU cost model's gains
+    (kvlab.experiments.costmodel.chunk_gain rows) where they disagree."""
     rows = as_records(question)
+    nixl_errors = [e["error"] for e in as_records(evaluation) if e["role"] == "held-out" and e["mechanism"] == "nixl"]
 
     def gains(mechanism: str, links: Sequence[str], small: bool | None = None) -> list[float]:
         return [r["gain"] for r in rows if r["mechanism"] == mechanism and r["link"] in links
@@ -183,17 +186,24 @@ def answer_markdown(question: Sequence[dict[str, Any]], cpu_gains: Sequence[dict
             f"but {_span(gains('dma_batch', pcie, small=True))} for {', '.join(small_pages)}, whose pages fall under "
             f"the DMA's small-page cliff, and {_span(gains('dma_batch', c2c))} on GB200, whose faster link leaves "
             f"descriptor submission the larger cost. A copy kernel gains nothing in the model "
-            f"({_span([r['gain'] for r in kernel], 2)}; band {_span([r['gain_low'] for r in kernel], 2)} to "
-            f"{_span([r['gain_high'] for r in kernel], 2)}), and NIXL gains {_span(gains('nixl', pcie))} over "
-            f"InfiniBand (rc_x) and {_span(gains('nixl', c2c))} over MNNVL (cuda_ipc). Every band is in the table.")
+            f"({_span([r['gain'] for r in kernel], 2)}, band "
+            f"{min(r['gain_low'] for r in kernel):.2f}–{max(r['gain_high'] for r in kernel):.2f}x: its rule has no "
+            f"per-segment cost, and no published row measures one), and NIXL gains {_span(gains('nixl', pcie))} over "
+            f"InfiniBand (rc_x) and {_span(gains('nixl', c2c))} over MNNVL (cuda_ipc)"
+            + (f", numbers to read as rough: its one held-out row is off by "
+               f"{', '.join(f'{100 * e:+.0f}%' for e in nixl_errors)}" if nixl_errors else "")
+            + ". Every band is in the table.")
     cpu = [g for g in as_records(cpu_gains) if g["method"] in ("gather", "memcpy", "segments")]
     if not cpu:
         return text
     by_method = {m: [g["gain"] for g in cpu if g["method"] == m] for m in ("gather", "memcpy", "segments")}
     cpu_text = "; ".join(f"`{m}` {_span(v, 2)}" for m, v in by_method.items() if v)
+    batched = by_method["gather"] + by_method["memcpy"]
+    erased = ("batched copies erase it" if batched and max(batched) < 1.1 else
+              "batched copies keep part of it" if batched else "no batched copy was fitted")
     return (text + f"\n\n**Against kvlab's CPU finding.** On the CPUs measured here, cross-layer's gain per 256-token "
-            f"chunk under the CPU cost model is {cpu_text}: batched copies erase it. The published GPU data agree for a "
-            f"copy kernel and for batched DMA of pages of 28 KiB or more over PCIe, and disagree twice: batched DMA of "
+            f"chunk under the CPU cost model is {cpu_text}: {erased}. On GPUs the model agrees for a copy kernel "
+            f"and for batched DMA of pages of 28 KiB or more over PCIe, and the published data disagree twice: batched DMA of "
             f"smaller pages ({_span(gains('dma_batch', pcie, small=True))}) and batched DMA over NVLink-C2C "
             f"({_span(gains('dma_batch', c2c))}) still gain from a cross-layer cache, because there the DMA's cost "
             f"follows its descriptors (their number, or their size under 28 KiB), not the bytes alone. The cliff was "

@@ -31,12 +31,14 @@ def test_the_answer_is_computed_and_set_against_the_cpu_finding():
     cpu_fits = [f for f in costmodel.fit(load_results(sorted(committed_results_dir().glob("02_transfer-*.jsonl"))))
                 if f.method in ("gather", "segments")]
     cpu = costmodel.chunk_gain(cpu_fits, [preset("llama-3.1-8b")])
-    text = answer_markdown(QUESTION, cpu)
+    text = answer_markdown(QUESTION, cpu, EVALUATION)
     per_segment = [q["gain"] for q in QUESTION if q["mechanism"] == "memcpy_per_segment" and q["link"] == "pcie5"]
     assert f"{min(per_segment):.1f}–{max(per_segment):.1f}x faster on H100 and H200" in text
     assert "Against kvlab's CPU finding" in text and "disagree" in text
     assert "Against kvlab's CPU finding" not in answer_markdown(QUESTION, [])
     assert not re.search(r"nan", text)
+    nixl = [e for e in EVALUATION if e["role"] == "held-out" and e["mechanism"] == "nixl"]
+    assert f"off by {100 * nixl[0]['error']:+.0f}%" in text
 
 
 def test_footers_name_published_sources_apart_from_measurements():
