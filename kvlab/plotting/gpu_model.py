@@ -13,7 +13,7 @@ import matplotlib.lines
 import matplotlib.pyplot as plt
 import numpy as np
 
-from kvlab.experiments.gpu_costmodel import MACHINES, QUESTION_MECHANISMS
+from kvlab.experiments.gpu_costmodel import MACHINES, QUESTION_MECHANISMS, SMALL_PAGE_BYTES
 from kvlab.experiments.published import MECHANISMS, OWN_SOURCE
 from kvlab.plotting.common import (BLACK, DEFAULT_WIDTH, GREY, PURPLE, as_records, figure_width, method_colour, model_name,
                                    paper_figure, plural, title)
@@ -29,6 +29,7 @@ UNIT_PANELS = (("per call (µs)", ("us",)), ("time (ms)", ("ms", "s")), ("bandwi
 ROLE_MARKERS = {"fit": dict(marker="o", facecolors="none"), "held-out": dict(marker="o"), "own": dict(marker="D")}
 MODEL_MARKERS = "os^"
 LINK_NAMES = {"pcie5": "PCIe Gen5", "nvlink_c2c": "NVLink-C2C"}
+ERASED = 0.1  # a batched copy's cross-layer gain under 1 + this: erased
 
 
 def citations(evaluation: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -172,19 +173,20 @@ def answer_markdown(question: Sequence[dict[str, Any]], cpu_gains: Sequence[dict
 
     def gains(mechanism: str, links: Sequence[str], small: bool | None = None) -> list[float]:
         return [r["gain"] for r in rows if r["mechanism"] == mechanism and r["link"] in links
-                and (small is None or (r["per_layer_segment_bytes"] < 28 * 1024) == small)]
+                and (small is None or (r["per_layer_segment_bytes"] < SMALL_PAGE_BYTES) == small)]
 
     pcie, c2c = ("pcie5",), ("nvlink_c2c",)
+    cliff = f"{SMALL_PAGE_BYTES // 1024} KiB"
     small_pages = sorted({f"{model_name(r['model'])} ({r['per_layer_segment_bytes'] / 1024:.0f} KiB)" for r in rows
-                          if r["per_layer_segment_bytes"] < 28 * 1024})
+                          if r["per_layer_segment_bytes"] < SMALL_PAGE_BYTES})
     kernel = [r for r in rows if r["mechanism"] == "copy_kernel"]
     text = (f"**The answer, from the model** (Llama-3.1-8B, Qwen3-30B-A3B, DeepSeek-V2-Lite; 2k, 8k and 32k tokens; "
             f"scattered 16-token blocks loaded from host memory). With one `cudaMemcpyAsync` per segment, a cross-layer "
             f"cache loads {_span(gains('memcpy_per_segment', pcie))} faster on H100 and H200 and "
             f"{_span(gains('memcpy_per_segment', c2c))} on GB200. With batched DMA (`cuMemcpyBatchAsync`) it gains "
-            f"{_span(gains('dma_batch', pcie, small=False), 2)} on H100 and H200 where per-layer pages are 28 KiB or more, "
-            f"but {_span(gains('dma_batch', pcie, small=True))} for {', '.join(small_pages)}, whose pages fall under "
-            f"the DMA's small-page cliff, and {_span(gains('dma_batch', c2c))} on GB200, whose faster link leaves "
+            f"{_span(gains('dma_batch', pcie, small=False), 2)} on H100 and H200 where per-layer pages are {cliff} or "
+            f"more, but {_span(gains('dma_batch', pcie, small=True))} for {', '.join(small_pages)}, whose pages fall "
+            f"under the DMA's small-page cliff, and {_span(gains('dma_batch', c2c))} on GB200, whose faster link leaves "
             f"descriptor submission the larger cost. A copy kernel gains nothing in the model "
             f"({_span([r['gain'] for r in kernel], 2)}, band "
             f"{min(r['gain_low'] for r in kernel):.2f}–{max(r['gain_high'] for r in kernel):.2f}x: its rule has no "
@@ -199,12 +201,12 @@ def answer_markdown(question: Sequence[dict[str, Any]], cpu_gains: Sequence[dict
     by_method = {m: [g["gain"] for g in cpu if g["method"] == m] for m in ("gather", "memcpy", "segments")}
     cpu_text = "; ".join(f"`{m}` {_span(v, 2)}" for m, v in by_method.items() if v)
     batched = by_method["gather"] + by_method["memcpy"]
-    erased = ("batched copies erase it" if batched and max(batched) < 1.1 else
+    erased = ("batched copies erase it" if batched and max(batched) < 1 + ERASED else
               "batched copies keep part of it" if batched else "no batched copy was fitted")
-    return (text + f"\n\n**Against kvlab's CPU finding.** On the CPUs measured here, cross-layer's gain per 256-token "
-            f"chunk under the CPU cost model is {cpu_text}: {erased}. On GPUs the model agrees for a copy kernel "
-            f"and for batched DMA of pages of 28 KiB or more over PCIe, and the published data disagree twice: batched DMA of "
-            f"smaller pages ({_span(gains('dma_batch', pcie, small=True))}) and batched DMA over NVLink-C2C "
-            f"({_span(gains('dma_batch', c2c))}) still gain from a cross-layer cache, because there the DMA's cost "
-            f"follows its descriptors (their number, or their size under 28 KiB), not the bytes alone. The cliff was "
-            f"measured on an H100; on GB200 it is assumed, not measured.")
+    return (text + f"\n\n**Against kvlab's CPU finding.** On the CPUs measured here, cross-layer's gain per "
+            f"{cpu[0]['tokens']}-token chunk under the CPU cost model is {cpu_text}: {erased}. On GPUs the model agrees "
+            f"for a copy kernel and for batched DMA of pages of {cliff} or more over PCIe, and the published data "
+            f"disagree twice: batched DMA of smaller pages ({_span(gains('dma_batch', pcie, small=True))}) and batched "
+            f"DMA over NVLink-C2C ({_span(gains('dma_batch', c2c))}) still gain from a cross-layer cache, because there "
+            f"the DMA's cost follows its descriptors (their number, or their size under {cliff}), not the bytes alone. "
+            f"The cliff was measured on an H100; on GB200 it is assumed, not measured.")
