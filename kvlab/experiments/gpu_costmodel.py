@@ -27,7 +27,7 @@ import math
 from statistics import median, quantiles
 from typing import Any, Callable, Sequence
 
-from kvlab.cache.geometry import preset
+from kvlab.cache.geometry import ModelGeometry, preset
 from kvlab.cache.segments import transfer_cost
 from kvlab.experiments.published import UNITS, Measurement
 
@@ -212,7 +212,7 @@ def error_bands(evaluation: Sequence[dict[str, Any]]) -> dict[tuple[str, str], t
 
 
 def layout_question(params: dict[str, float], evaluation: Sequence[dict[str, Any]],
-                    models: Sequence[str] = QUESTION_MODELS, tokens: Sequence[int] = QUESTION_TOKENS,
+                    models: Sequence[str | ModelGeometry] = QUESTION_MODELS, tokens: Sequence[int] = QUESTION_TOKENS,
                     machines: dict[str, str] = MACHINES, mechanisms: Sequence[str] = QUESTION_MECHANISMS,
                     per_layer: str = "LBHNC", cross_layer: str = "BLHNC") -> list[dict[str, Any]]:
     """Loading a prefix (scattered 16-token blocks, host to GPU) per-layer against cross-layer,
@@ -220,11 +220,12 @@ def layout_question(params: dict[str, float], evaluation: Sequence[dict[str, Any
     off as on the middle half of its held-out rows (errors q1 to q3), a true time would lie in
     [predicted / (1 + q3), predicted / (1 + q1)]; the gain's band combines the two layouts' bands
     at their worst. NIXL's times need its link's bandwidth,
-    which no published row gives: its rows carry the gain alone (time scales as B + n x post)."""
+    which no published row gives: its rows carry the gain alone (time scales as B + n x post).
+    ``models``: preset names or geometries (a model folder's, at its block size)."""
     bands = error_bands(evaluation)
     out = []
     for model in models:
-        geometry = preset(model)
+        geometry = model if isinstance(model, ModelGeometry) else preset(model)
         for count in tokens:
             costs = [transfer_cost(layout, geometry, count) for layout in (per_layer, cross_layer)]
             for machine, link in machines.items():

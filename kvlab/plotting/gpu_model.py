@@ -180,14 +180,18 @@ def answer_markdown(question: Sequence[dict[str, Any]], cpu_gains: Sequence[dict
     small_pages = sorted({f"{model_name(r['model'])} ({r['per_layer_segment_bytes'] / 1024:.0f} KiB)" for r in rows
                           if r["per_layer_segment_bytes"] < SMALL_PAGE_BYTES})
     kernel = [r for r in rows if r["mechanism"] == "copy_kernel"]
-    text = (f"**The answer, from the model** (Llama-3.1-8B, Qwen3-30B-A3B, DeepSeek-V2-Lite; 2k, 8k and 32k tokens; "
-            f"scattered 16-token blocks loaded from host memory). With one `cudaMemcpyAsync` per segment, a cross-layer "
-            f"cache loads {_span(gains('memcpy_per_segment', pcie))} faster on H100 and H200 and "
-            f"{_span(gains('memcpy_per_segment', c2c))} on GB200. With batched DMA (`cuMemcpyBatchAsync`) it gains "
-            f"{_span(gains('dma_batch', pcie, small=False), 2)} on H100 and H200 where per-layer pages are {cliff} or "
-            f"more, but {_span(gains('dma_batch', pcie, small=True))} for {', '.join(small_pages)}, whose pages fall "
-            f"under the DMA's small-page cliff, and {_span(gains('dma_batch', c2c))} on GB200, whose faster link leaves "
-            f"descriptor submission the larger cost. A copy kernel gains nothing in the model "
+    asked = (f"{', '.join(dict.fromkeys(model_name(r['model']) for r in rows))}; "
+             f"{', '.join(f'{t:,}' for t in sorted({r['tokens'] for r in rows}))} tokens")
+    large, small = gains("dma_batch", pcie, small=False), gains("dma_batch", pcie, small=True)
+    dma = " but ".join(
+        ([f"{_span(large, 2)} on H100 and H200 where per-layer pages are {cliff} or more"] if large else [])
+        + ([f"{_span(small)} for {', '.join(small_pages)}, whose pages fall under the DMA's small-page cliff"]
+           if small else []))
+    text = (f"**The answer, from the model** ({asked}; scattered blocks loaded from host memory). With one "
+            f"`cudaMemcpyAsync` per segment, a cross-layer cache loads {_span(gains('memcpy_per_segment', pcie))} "
+            f"faster on H100 and H200 and {_span(gains('memcpy_per_segment', c2c))} on GB200. With batched DMA "
+            f"(`cuMemcpyBatchAsync`) it gains {dma}, and {_span(gains('dma_batch', c2c))} on GB200, whose faster link "
+            f"leaves descriptor submission the larger cost. A copy kernel gains nothing in the model "
             f"({_span([r['gain'] for r in kernel], 2)}, band "
             f"{min(r['gain_low'] for r in kernel):.2f}–{max(r['gain_high'] for r in kernel):.2f}x: its rule has no "
             f"per-segment cost, and no published row measures one), and NIXL gains {_span(gains('nixl', pcie))} over "
@@ -203,10 +207,13 @@ def answer_markdown(question: Sequence[dict[str, Any]], cpu_gains: Sequence[dict
     batched = by_method["gather"] + by_method["memcpy"]
     erased = ("batched copies erase it" if batched and max(batched) < 1 + ERASED else
               "batched copies keep part of it" if batched else "no batched copy was fitted")
+    agree = (f" On GPUs the model agrees for a copy kernel and for batched DMA of pages of {cliff} or more over "
+             f"PCIe ({_span(large, 2)})." if large else " On GPUs the model agrees for a copy kernel.")
+    disagree = " and ".join(
+        ([f"batched DMA of pages under {cliff} ({_span(small)})"] if small else [])
+        + [f"batched DMA over NVLink-C2C ({_span(gains('dma_batch', c2c))})"])
     return (text + f"\n\n**Against kvlab's CPU finding.** On the CPUs measured here, cross-layer's gain per "
-            f"{cpu[0]['tokens']}-token chunk under the CPU cost model is {cpu_text}: {erased}. On GPUs the model agrees "
-            f"for a copy kernel and for batched DMA of pages of {cliff} or more over PCIe, and the published data "
-            f"disagree twice: batched DMA of smaller pages ({_span(gains('dma_batch', pcie, small=True))}) and batched "
-            f"DMA over NVLink-C2C ({_span(gains('dma_batch', c2c))}) still gain from a cross-layer cache, because there "
-            f"the DMA's cost follows its descriptors (their number, or their size under {cliff}), not the bytes alone. "
-            f"The cliff was measured on an H100; on GB200 it is assumed, not measured.")
+            f"{cpu[0]['tokens']}-token chunk under the CPU cost model is {cpu_text}: {erased}.{agree} The published "
+            f"data disagree where the DMA's cost follows its descriptors (their number, or their size under "
+            f"{cliff}) rather than the bytes alone: {disagree} still gain from a cross-layer cache. The cliff was "
+            f"measured on an H100; on GB200 it is assumed, not measured.")

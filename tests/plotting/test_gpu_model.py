@@ -52,3 +52,13 @@ def test_footers_name_published_sources_apart_from_measurements():
 @pytest.mark.parametrize("mechanism", gpu_costmodel.QUESTION_MECHANISMS)
 def test_every_mechanism_is_answered_on_every_machine(mechanism):
     assert {q["machine"] for q in QUESTION if q["mechanism"] == mechanism} == set(gpu_costmodel.MACHINES)
+
+
+def test_the_answer_for_one_model_folder_at_its_block_size():
+    """Notebook 03's question: one model's geometry (SmolLM2 at block size 32: 24 KiB pages, all
+    under the DMA's small-page cliff), one chunk size."""
+    question = gpu_costmodel.layout_question(PARAMS, EVALUATION, models=[preset("smollm2-135m", block_size=32)],
+                                             tokens=(256,))
+    assert {q["per_layer_segments"] for q in question} == {240} and {q["cross_layer_segments"] for q in question} == {8}
+    text = answer_markdown(question, [], EVALUATION)
+    assert "SmolLM2-135M-Instruct; 256 tokens" in text and "where per-layer pages are" not in text
