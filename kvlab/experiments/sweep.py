@@ -219,10 +219,11 @@ PROFILES: dict[str, dict[str, Any]] = {
              "tokens": [256], "layouts": ["LBHNC", "LHBNC", "BLHNC", "ascend_kv_tuple"],
              "methods": ALL_METHODS, "repeats": 9, "chunks": True, "extra_tokens": [64, 1024]},
     # one GPU, torch only (scripts/device-check): per-layer against cross-layer, every
-    # method, 256 to 16k tokens, in a few minutes on one H200
+    # method, 256 to 16k tokens, LMCache's chunk targets: every configuration notebook 02
+    # measures (standard and ceiling profiles), in a few minutes on one H200
     "gpu": {"models": ["llama-3.1-8b", "deepseek-v2-lite"], "tokens": [256, 1024, 4096],
             "layouts": ["LBHNC", "LHBNC", "ascend_kv_tuple", "BLHNC"], "methods": ALL_METHODS, "repeats": 10,
-            "chunks": False, "extra_tokens": [16384]},
+            "chunks": True, "extra_tokens": [16384]},
     # the CPU copy engines against the ceiling (the targets below): one size, scattered
     # blocks, many repeats; run three times in a row (``kvlab bench --profile ceiling --runs 3``)
     "ceiling": {"models": ["llama-3.1-8b"], "tokens": [1024], "layouts": ["LBHNC", "LHBNC", "ascend_kv_tuple", "BLHNC"],

@@ -1,5 +1,5 @@
-"""Figures, one module per notebook (atlas and segment_figures: 01, transfer: 02, connector and
-scaling: 03, accuracy: 04)
+"""Figures, one module per notebook (atlas and segment_figures: 01, transfer and gpu_model: 02,
+connector and scaling: 03, accuracy: 04)
 plus what they share; drawn from kvlab's data and committed results, never from a
 notebook's private state, so every one regenerates with the same call."""
 
@@ -12,6 +12,7 @@ from kvlab.plotting.atlas import (
     miniature,
 )
 from kvlab.plotting.common import human_bytes, save_figure
+from kvlab.plotting.gpu_model import answer_markdown, citations, fit_markdown, layout_question_figure, published_figure
 from kvlab.plotting.connector import (
     deployed_figure,
     engine_layouts_figure,
@@ -42,4 +43,5 @@ __all__ = [
     "break_even_figure", "layerwise_figure", "hardware_figure", "hooks_timeline", "ttft_figure",
     "registration_figure", "engine_layouts_figure", "deployed_figure", "network_tier_figure", "roundtrip_figure", "accuracy_figure", "comparison_figure",
     "costs_by_length_figure", "lookup_scaling_figure", "concurrency_figure", "scale_prediction_figure",
+    "published_figure", "layout_question_figure", "citations", "fit_markdown", "answer_markdown",
 ]

@@ -222,10 +222,18 @@ def human_bytes(n: float) -> str:
 
 
 def provenance(rows: Iterable[dict]) -> str:
-    """Where a figure's numbers come from: each machine and the profile it ran under."""
+    """Where a figure's numbers come from: each machine and the profile it ran under, and each
+    published source (a row with ``published``: kvlab.plotting.gpu_model.citations) with its hardware."""
     rows = as_records(rows)
-    runs = dict.fromkeys((r.get("hardware") or "this machine", r.get("profile") or "unrecorded") for r in rows)
-    return "measured on " + "; ".join(f"{hardware}, {profile} profile" for hardware, profile in runs)
+    published = dict.fromkeys(f"{r['published']} ({r.get('hardware') or 'hardware not stated'})"
+                              for r in rows if r.get("published"))
+    runs = dict.fromkeys((r.get("hardware") or "this machine", r.get("profile") or "unrecorded") for r in rows
+                         if not r.get("published"))
+    measured = "measured on " + "; ".join(f"{hardware}, {profile} profile" for hardware, profile in runs)
+    if not published:
+        return measured
+    cited = "published: " + "; ".join(published)
+    return f"{measured}; {cited}" if runs else cited
 
 
 def save_figure(fig: plt.Figure, name: str, figures_dir: str | Path, formats: Sequence[str] = FORMATS,

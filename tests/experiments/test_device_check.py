@@ -115,3 +115,17 @@ def test_summary_reads_the_newest_run_of_a_reused_folder(tmp_path):
     assert summary["rows"]["transfer"] == len(load_results([path])) == 2
     assert summary["fingerprint"]["run_id"] == "cut"
     assert {h["direction"]: h["per_layer"]["ratio"] for h in summary["headline"]} == {"load": 0.8, "offload": 0.8}
+
+
+def _keys(profile: dict) -> set[tuple]:
+    return {(c.geometry.name, c.layout, c.method, c.direction, c.tokens, c.block_ids, c.target)
+            for c in bench.configs(profile)}
+
+
+def test_the_device_check_measures_what_notebook_02_measures():
+    """scripts/device-check's sweep (the gpu profile) holds every configuration notebook 02 times
+    on a GPU under make run (the standard and ceiling profiles), so one command covers them."""
+    gpu = _keys(bench.PROFILES["gpu"])
+    for profile in ("standard", "ceiling"):
+        assert _keys(bench.PROFILES[profile]) <= gpu, profile
+    assert "bench=(--profile gpu)" in (ROOT / "scripts" / "device-check").read_text()

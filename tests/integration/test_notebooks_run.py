@@ -29,7 +29,7 @@ def test_notebook_runs(path, tmp_path):
     assert html.count("<img") >= shown.images() > 0
 
 
-@pytest.mark.parametrize("notebook, figures", [("02_transfer_timing", 7), ("03_connector_and_hooks", 12),
+@pytest.mark.parametrize("notebook, figures", [("02_transfer_timing", 9), ("03_connector_and_hooks", 12),
                                                ("04_accuracy", 3)])
 def test_figures_redraw_from_committed_results(tmp_path, notebook, figures):
     """`make figures`: a measuring notebook measures nothing and draws every figure from data/results."""

@@ -19,6 +19,7 @@ from kvlab.plotting import (  # noqa: E402
     deployed_figure, engine_layouts_figure, hardware_figure, hooks_timeline, layerwise_figure, memory_map, miniature, network_tier_figure,
     registration_figure, roundtrip_figure, segment_scaling, segments_by_layout, transfer_ratios,
     ttft_figure, costs_by_length_figure, lookup_scaling_figure, concurrency_figure, scale_prediction_figure,
+    published_figure, layout_question_figure,
 )
 from kvlab.results import committed_results_dir, load_results, results_for  # noqa: E402
 
@@ -57,6 +58,22 @@ def cost_predictions() -> list[dict]:
 
     here = transfer_here()
     return costmodel.predictions(here, [f for f in cost_fits() if f.hardware == here[0]["hardware"]])
+
+
+def gpu_model():
+    """Notebook 02's GPU section: the published table, the model fitted on it, its evaluation."""
+    from kvlab.experiments import gpu_costmodel
+    from kvlab.experiments.published import load_published
+
+    published = load_published()
+    params = gpu_costmodel.fit(published)
+    return params, gpu_costmodel.evaluate(published, params)
+
+
+def gpu_question() -> list[dict]:
+    from kvlab.experiments import gpu_costmodel
+
+    return records(gpu_costmodel.layout_question(*gpu_model()))
 
 
 def accuracy_tables() -> tuple[list[dict], list[dict], list[dict]]:
@@ -179,6 +196,8 @@ FIGURES = {
         records(committed("03_lookup_scaling")), "a scheduler's lookup against chunks stored", **kw),
     "concurrency_figure": lambda **kw: concurrency_figure(
         records(committed("03_concurrency")), "serving against concurrent requests", **kw),
+    "published_figure": lambda **kw: published_figure(records(gpu_model()[1]), **kw),
+    "layout_question_figure": lambda **kw: layout_question_figure(gpu_question(), **kw),
 }
 
 

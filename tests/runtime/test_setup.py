@@ -97,3 +97,56 @@ def test_the_gpu_requirements_resolve_to_their_pins():
     wanted = pins(text)
     assert {name: record["packages"].get(name) for name in wanted} == wanted
     assert record["packages"]["torch"].startswith("2.14"), "vllm 0.33.0 pins torch 2.14"
+
+
+def _setup_choice(tmp_path, nvidia_smi: str | None, **env) -> tuple[str, str]:
+    """scripts/setup-env's dry run (it installs nothing) with a fake ``nvidia-smi`` on the PATH
+    (``nvidia_smi``: the fake's shell body; None: none there): the requirements file it
+    chose, and what it said."""
+    import os
+    import shutil
+    import subprocess
+
+    fake = tmp_path / "bin"
+    fake.mkdir(exist_ok=True)
+    if nvidia_smi is not None:
+        (fake / "nvidia-smi").write_text("#!/bin/sh\n" + nvidia_smi + "\n")
+        (fake / "nvidia-smi").chmod(0o755)
+    elif shutil.which("nvidia-smi"):
+        pytest.skip("this machine has a real nvidia-smi")
+    done = subprocess.run([str(ROOT / "scripts" / "setup-env")], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "KVLAB_SETUP_DRY_RUN": "1",
+                               **env})
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip(), done.stderr
+
+
+H100 = 'if [ "$1" = -L ]; then echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-00000000-fake)"; fi'
+
+
+def test_setup_installs_the_gpu_stack_where_nvidia_smi_lists_a_gpu(tmp_path):
+    chosen, said = _setup_choice(tmp_path, H100)
+    assert chosen == "requirements/gpu.txt"
+    assert "gpu stack" in said and "NVIDIA H100 80GB HBM3" in said and "nothing installed" in said
+
+
+def test_setup_keeps_the_cpu_stack_without_a_usable_gpu(tmp_path):
+    """No nvidia-smi, or one whose driver does not answer (it prints an error and exits 9)."""
+    assert _setup_choice(tmp_path, None)[0] == "requirements/cpu.txt"
+    broken = "echo 'NVIDIA-SMI has failed because it could not communicate with the NVIDIA driver.'; exit 9"
+    chosen, said = _setup_choice(tmp_path, broken)
+    assert chosen == "requirements/cpu.txt" and "cpu stack" in said
+
+
+def test_setup_choice_can_be_forced_either_way(tmp_path):
+    assert _setup_choice(tmp_path, H100, KVLAB_GPU="0")[0] == "requirements/cpu.txt"
+    assert _setup_choice(tmp_path, "exit 9", KVLAB_GPU="1")[0] == "requirements/gpu.txt"
+
+
+def test_setup_refuses_an_unknown_choice(tmp_path):
+    import os
+    import subprocess
+
+    done = subprocess.run([str(ROOT / "scripts" / "setup-env")], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "KVLAB_GPU": "yes", "KVLAB_SETUP_DRY_RUN": "1"})
+    assert done.returncode == 2 and "KVLAB_GPU is 1" in done.stderr
