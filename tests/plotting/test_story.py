@@ -140,7 +140,7 @@ def test_accuracy_takeaways():
     assert identical.endswith("KVLab whole-step 30/30 (bitwise), LMCache 30/30 (2.3e-05); "
                               "vLLM's own prefix hit, the control, 30/30 (run: this machine, unrecorded profile).")
     assert score == "On the task (exact-match) recompute scores 0.565 ± 0.035, the 1 reuse paths 0.565."
-    assert damage.endswith("zeroed 200/200, block-order 0/200.")
+    assert damage.endswith("every layer zeroed, 200 of 200; the prefix's blocks in another order, 0 of 200.")
 
 
 def test_extension_takeaways_look_at_the_new_layout_and_method_only():

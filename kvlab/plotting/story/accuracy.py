@@ -56,9 +56,11 @@ def generations_reading(generations: Any) -> Prose:
     bitwise = [r["path"] for r in reuse if r.get("max_logprob_diff_vs_control") == 0]
     other = [f"{r['path']} ({r['max_logprob_diff_vs_control']:.1e})" for r in reuse
              if r.get("max_logprob_diff_vs_control") != 0]
-    return prose(f"vLLM's own prefix hit, the control, sits {control['max_logprob_diff']:.1e} from recompute at most "
-                 "(its forward continues the cached prefix with the last tokens on their own, not inside one long "
-                 f"prefill: another split of the same compute) {quoted(rows)}.",
+    drift = control["max_logprob_diff"]
+    apart = ("gives logprobs bitwise recompute's" if drift == 0 else
+             f"sits {drift:.1e} from recompute at most (its forward continues the cached prefix with the last tokens "
+             "on their own, not inside one long prefill: another split of the same compute)")
+    return prose(f"vLLM's own prefix hit, the control, {apart} {quoted(rows)}.",
                  f"Logprobs bitwise the control's: {', '.join(bitwise)}." if bitwise else
                  "No reuse path gave logprobs bitwise the control's.",
                  f"Within a drift of the control: {', '.join(other)}." if other else None)
@@ -88,9 +90,9 @@ def connectors_reading(comparison: Any) -> Prose:
     if not rows:
         return prose(None)
     return prose(f"Store throughput is the KV bytes over `runner_save_ms`, the time the model runner blocked inside "
-                 f"the connector's save calls during the cold forward; the difference of two cold prefills "
-                 f"({span((r['cold_s'] for r in rows), ' s', 2)} here, `cold_overhead_ms`) drowns in their noise "
-                 f"{quoted(rows)}.")
+                 f"the connector's save calls during the cold forward, not the difference of two cold prefills "
+                 f"(`cold_overhead_ms`): the engines' cold prefills took {span((r['cold_s'] for r in rows), ' s', 2)} "
+                 f"here, a spread that a store's cost drowns in {quoted(rows)}.")
 
 
 def _task_point(rows: list[dict]) -> str | None:
@@ -116,8 +118,12 @@ def _damage_point(rows: list[dict]) -> str | None:
     if not seen:
         return None
     return ("The same KV damaged on purpose changes KVLab whole-step's generations: "
-            + ", ".join(f"{damage} {r['changed_generations']:,.0f}/{r['prompts']:,.0f}" for damage, r in seen.items())
-            + ".")
+            + "; ".join(f"{_damage_name(damage)}, {r['changed_generations']:,.0f} of {r['prompts']:,.0f}"
+                        for damage, r in seen.items()) + ".")
+
+
+def _damage_name(key: str) -> str:
+    return DAMAGES[key].describe().split(" (")[0] if key in DAMAGES else key
 
 
 def _architectures_point(rows: list[dict]) -> str | None:

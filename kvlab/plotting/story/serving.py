@@ -59,7 +59,7 @@ def strategies_reading(rows: Any, store: str) -> Prose:
         return f", {amount(share.value, '×', 2)} the store's pace{told}"
 
     note = medians_only(*(pace_ratio(r, phase) for r in rows for phase in ("store", "fetch")))
-    lines = [f"- {r['layout']}, {r['strategy']}: {r['objects_per_chunk']:,.1f} objects a chunk; store "
+    lines = [f"- {r['layout']}, {r['strategy']}: {r['objects_per_chunk']:,.3g} objects a chunk; store "
              f"{amount(1e3 * r['store_s'])}{paced(r, 'store')}, fetch {amount(1e3 * r['fetch_s'])}{paced(r, 'fetch')}"
              for r in rows]
     as_lies = {r["layout"]: r for r in rows if r["strategy"] == PER_RUN}
@@ -72,7 +72,9 @@ def strategies_reading(rows: Any, store: str) -> Prose:
                          f"{cross['objects_per_chunk']:,.0f}:",
                          f"storing, {versus(time_difference(per, cross, 'store'), 'per-layer', 'cross-layer')};",
                          f"fetching, {versus(time_difference(per, cross, 'fetch'), 'per-layer', 'cross-layer')}.",
-                         f"Every strategy gave back every byte: {all(r['identical'] for r in rows)}.")
+                         "Every strategy gave back every byte." if all(r["identical"] for r in rows) else
+                         "Not every strategy gave back every byte: "
+                         + ", ".join(f"{r['layout']} {r['strategy']}" for r in rows if not r["identical"]) + ".")
     head = prose(f"A {rows[0]['tokens']:,}-token prefix in {rows[0]['chunks']} chunks {quoted(rows)}; the pace is the "
                  "store moving the same bytes as one ready object per chunk:")
     return paragraphs(head, Prose("\n".join(lines)), compared, note)
