@@ -126,8 +126,8 @@ def predict(fits: Sequence[CostFit], geometries: Sequence[ModelGeometry], hosts:
             layouts: Sequence[str] = ("LBHNC", "BLHNC"), servers: dict[str, int] | None = None,
             **deployment: Any) -> list[dict]:
     """Every store, direction, model, layout, way and host count: objects and bytes per
-    prefix and the predicted seconds (``servers``: per store, how many share its per-object
-    work; 1 where not given)."""
+    prefix and the predicted seconds, each row naming the machine its fit was measured on
+    (``servers``: per store, how many share its per-object work; 1 where not given)."""
     rows = []
     for cost in fits:
         for geometry in geometries:
@@ -137,7 +137,8 @@ def predict(fits: Sequence[CostFit], geometries: Sequence[ModelGeometry], hosts:
                         plan = Deployment(hosts=count, servers=(servers or {}).get(cost.method, 1), **deployment)
                         objects = objects_per_prefix(way, layout, geometry, plan.tokens, plan.chunk_tokens)
                         nbytes = geometry.token_bytes * plan.tokens
-                        rows.append({"store": cost.method, "direction": cost.direction, "model": geometry.name,
+                        rows.append({"store": cost.method, "direction": cost.direction, "hardware": cost.hardware,
+                                     "model": geometry.name,
                                      "layers": geometry.num_layers, "layout": layout, "way": way, "hosts": count,
                                      "servers": plan.servers, "prefixes": plan.prefixes, "tokens": plan.tokens,
                                      "objects_per_prefix": objects, "bytes_per_prefix": nbytes,
@@ -158,7 +159,8 @@ def calibration(fits: Sequence[CostFit], prefix_rows: Iterable[dict[str, Any]]) 
                 continue
             objects = round(row["objects_per_chunk"] * row["chunks"])
             predicted = cost.predict(objects, row["bytes"])
-            rows.append({"store": row["store"], "layout": row["layout"], "strategy": row["strategy"],
+            rows.append({"store": row["store"], "hardware": row.get("hardware"), "layout": row["layout"],
+                         "strategy": row["strategy"],
                          "phase": phase, "objects": objects, "bytes": row["bytes"],
                          "measured_s": row[f"{phase}_s"], "predicted_s": predicted,
                          "error": (predicted - row[f"{phase}_s"]) / row[f"{phase}_s"]})

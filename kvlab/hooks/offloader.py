@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 from kvlab.cache.allocation import KVCache, layer_name
+from kvlab.hooks.trace import active_trace
 from kvlab.transfer.engine import Transfer, host_buffer
 from kvlab.transfer.layerwise import LayerwiseLoad
 
@@ -74,6 +75,9 @@ class LayerwiseOffloader:
         self._saves.clear()
         if self._load is not None:
             self._load.finish()
+            trace = active_trace()
+            for i, span in enumerate(self._load.layer_spans if trace is not None else ()):
+                trace.record_span(layer_name(i), "load", *span)
             self._load = None
 
     @contextlib.contextmanager

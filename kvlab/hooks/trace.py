@@ -1,5 +1,5 @@
-"""A tracer of the hooks: per layer, when the load wait started and ended, when attention
-ran, when the save was issued (kvlab.plotting draws it as a timeline)."""
+"""A tracer of the hooks: per layer, when its load was copied, when the load wait started
+and ended, when attention ran, when the save was issued (kvlab.plotting draws it as a timeline)."""
 
 from __future__ import annotations
 
@@ -16,14 +16,14 @@ from kvlab.cache.devices import synchronize
 
 class TraceEvent(NamedTuple):
     layer: str
-    event: str  # "load_wait", "attention" or "save" (the save being issued)
+    event: str  # "load" (the layer's copy), "load_wait", "attention" or "save" (the save being issued)
     start: float  # seconds since the trace began
     end: float
 
 
 @dataclass
 class LayerTrace:
-    """Per-layer timestamps of load waits, attention and save issues, while active.
+    """Per-layer timestamps of loads, load waits, attention and save issues, while active.
 
     Times are host ``time.perf_counter`` seconds from the trace's start. On an accelerator
     the host runs ahead of the device; pass ``sync`` (a device) to synchronize it at every
@@ -52,12 +52,22 @@ class LayerTrace:
     def __exit__(self, *exc: object) -> None:
         _ACTIVE_TRACE.reset(self._token)
 
+    def record_span(self, layer: str, event: str, start: float, end: float) -> None:
+        """Record ``event`` of ``layer`` that ran from ``start`` to ``end`` (time.perf_counter
+        seconds, as another thread measured them: a layerwise load's copies)."""
+        self.events.append(TraceEvent(layer, event, start - self._origin, end - self._origin))
+
     def rows(self) -> list[dict]:
         """One dict per event (layer, event, start, end), in the order they began."""
         return [event._asdict() for event in sorted(self.events, key=lambda e: e.start)]
 
 
 _ACTIVE_TRACE: contextvars.ContextVar[LayerTrace | None] = contextvars.ContextVar("kvlab_layer_trace", default=None)
+
+
+def active_trace() -> LayerTrace | None:
+    """The trace recording now, if any."""
+    return _ACTIVE_TRACE.get()
 
 
 @contextlib.contextmanager

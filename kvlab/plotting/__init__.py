@@ -1,9 +1,9 @@
 """Figures, one module per notebook (atlas and segment_figures: 01, transfer and gpu_model: 02,
-connector and scaling: 03, accuracy: 04)
-plus what they share; drawn from kvlab's data and committed results, never from a
+connector and scaling: 03, accuracy: 04) plus what they share (common) and how they are saved
+(saving); drawn from kvlab's data and committed results, never from a
 notebook's private state, so every one regenerates with the same call."""
 
-from kvlab.plotting.accuracy import accuracy_figure, comparison_figure, roundtrip_figure
+from kvlab.plotting.accuracy import accuracy_figure, comparison_figure
 from kvlab.plotting.atlas import (
     COLOUR_BY,
     atlas,
@@ -11,8 +11,9 @@ from kvlab.plotting.atlas import (
     memory_map,
     miniature,
 )
-from kvlab.plotting.common import human_bytes, save_figure
+from kvlab.plotting.common import human_bytes
 from kvlab.plotting.gpu_model import answer_markdown, citations, fit_markdown, layout_question_figure, published_figure
+from kvlab.plotting.saving import save_figure
 from kvlab.plotting.connector import (
     deployed_figure,
     engine_layouts_figure,
@@ -41,7 +42,7 @@ __all__ = [
     "human_bytes", "save_figure", "COLOUR_BY", "miniature", "draw_memory_map", "memory_map", "segment_scaling",
     "segments_by_layout", "atlas", "transfer_ratios", "bandwidth_vs_tokens", "cost_model_figure",
     "break_even_figure", "layerwise_figure", "hardware_figure", "hooks_timeline", "ttft_figure",
-    "registration_figure", "engine_layouts_figure", "deployed_figure", "network_tier_figure", "roundtrip_figure", "accuracy_figure", "comparison_figure",
+    "registration_figure", "engine_layouts_figure", "deployed_figure", "network_tier_figure", "accuracy_figure", "comparison_figure",
     "costs_by_length_figure", "lookup_scaling_figure", "concurrency_figure", "scale_prediction_figure",
     "published_figure", "layout_question_figure", "citations", "fit_markdown", "answer_markdown",
 ]

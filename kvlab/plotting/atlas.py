@@ -4,6 +4,7 @@ never from a notebook's private state, so every one can be regenerated with the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import matplotlib
@@ -17,13 +18,16 @@ from kvlab.cache.allocation import address_labels, axis_sizes
 from kvlab.cache.geometry import ModelGeometry
 from kvlab.cache.layouts import Layout, get_layout
 from kvlab.cache.segments import span_segments
-from kvlab.plotting.common import (BLACK, BLUE, CYCLE, DEFAULT_WIDTH, MEDIUM, ORANGE, SMALL, WIDTHS, figure_width,
-                                   model_name, paper_figure, plural, text_inches, wrap)
+from kvlab.plotting.common import (BLUE, DEFAULT_WIDTH, GREEN, MEDIUM, ORANGE, PURPLE, SKY_BLUE, SMALL, VERMILLION, WIDTHS,
+                                   YELLOW, figure_width, footnote, model_name, paper_figure, plural, text_inches, wrap)
 from kvlab.plotting.common import title as figure_title
 
 COLOUR_BY = ("layer", "block", "part", "token")
-# black parts tensors (the lines across a map): no layer or block is drawn in it
-_OKABE_ITO = matplotlib.colors.ListedColormap([c for c in CYCLE if c != BLACK], name="okabe_ito")
+# Okabe-Ito's colours but black (it parts tensors: the lines across a map), sky blue last: faded
+# beside blue it is hard to tell apart (FADED), and six blocks or layers need only the first six
+_OKABE_ITO = matplotlib.colors.ListedColormap([BLUE, ORANGE, GREEN, VERMILLION, PURPLE, YELLOW, SKY_BLUE],
+                                              name="okabe_ito")
+FADED = 0.6  # the share of white in a colour drawn faded (what did not move)
 _CMAPS = {"layer": _OKABE_ITO, "block": _OKABE_ITO, "part": None, "token": "viridis"}
 _PART_COLOURS = np.array([matplotlib.colors.to_rgb(BLUE), matplotlib.colors.to_rgb(ORANGE)])
 MAX_HEIGHT = 6.0  # inches of a double-column figure: with its caption, it fits a page
@@ -50,6 +54,10 @@ def _colours(values: np.ndarray, by: str, count: int) -> np.ndarray:
     cmap = plt.get_cmap(_CMAPS[by])
     scale = values / max(count - 1, 1) if by == "token" else values % cmap.N
     return np.asarray(cmap(scale if by == "token" else scale.astype(int)))[:, :3]
+
+
+def _faded(rgb: np.ndarray) -> np.ndarray:
+    return (1 - FADED) * rgb + FADED
 
 
 def _counts(geometry: ModelGeometry, num_blocks: int) -> dict[str, int]:
@@ -93,13 +101,17 @@ def _values_text(by: str, values: Sequence[int]) -> str:
     return f"{by}{'s' * (len(values) > 1)} {shown}"
 
 
-def _key(by: str, geometry: ModelGeometry, num_blocks: int, layouts: Sequence[Layout]) -> list:
+def _key(by: str, geometry: ModelGeometry, num_blocks: int, layouts: Sequence[Layout],
+         moved_blocks: Sequence[int] = ()) -> list:
     """Key entries naming exactly the colours ``layouts``' maps draw coloured by ``by``: one per
     value while each has its own colour, one per colour naming the values that share it when
     the palette repeats (more than 7 layers or blocks), a dark-to-light strip for more than
-    8 tokens."""
+    8 tokens; a block that did not move (where some did) in the faded colour it is drawn in."""
     values = sorted({int(v) for layout in layouts for v in address_labels(layout, geometry, num_blocks)[by].numpy()})
     colours = _colours(np.array(values), by, _counts(geometry, num_blocks)[by])
+    if by == "block" and moved_blocks:
+        still = ~np.isin(values, list(moved_blocks))
+        colours[still] = _faded(colours[still])
     if by == "part":
         names = list(geometry.part_names)
         packed = [_packed(layout, geometry) for layout in layouts]
@@ -159,8 +171,9 @@ def _model(geometry: ModelGeometry) -> str:
     return model_name(plain) + (suffix if plain != geometry.name else "")
 
 
-def _how_to_read(num_blocks: int, moved_blocks: Sequence[int]) -> str:
-    """The footnote under a page of maps: how to read one, and what moved."""
+def _how_to_read(num_blocks: int, moved_blocks: Sequence[int], widths: Sequence[int]) -> str:
+    """The footnote under a page of maps: how to read one (what a row holds: the maps of
+    ``widths`` cells a row), and what moved."""
     moved = sorted(set(moved_blocks))
     if not moved:
         what = "Nothing moved"
@@ -168,16 +181,63 @@ def _how_to_read(num_blocks: int, moved_blocks: Sequence[int]) -> str:
         what = f"All {plural(num_blocks, 'block')} moved"
     else:
         what = f"Block{'s' * (len(moved) > 1)} {_listing(moved)} moved (solid), the rest faded"
-    return (f"One cell = one head vector, in address order: left to right, then down (a row: one layer's page of "
-            f"a block). {what}; black lines part tensors.")
-
-
-def _footnote(fig: plt.Figure, text: str) -> None:
-    """A caption-like note under everything drawn (the layout engine keeps room for it)."""
-    fig.supxlabel(wrap(text, fig.get_figwidth(), SMALL), fontsize=SMALL, color="0.25")
+    row = " or ".join(map(str, sorted(set(widths))))
+    return (f"One cell = one head vector, in address order: left to right, then down, {row} to a row (as many as "
+            f"one layer holds of one block). {what}; black lines part tensors.")
 
 
 # --- the maps ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MapPicture:
+    """A memory map as drawn: its cells' colours (rows of ``width`` cells), the rows where a
+    tensor starts, and the segments moving what moved (None when nothing moves)."""
+    image: np.ndarray
+    tensor_starts: tuple[float, ...]
+    segments: int | None
+    blocks: int
+
+    def same_as(self, other: MapPicture) -> bool:
+        return (self.image.shape == other.image.shape and np.array_equal(self.image, other.image)
+                and (self.tensor_starts, self.segments) == (other.tensor_starts, other.segments))
+
+
+def map_picture(layout: str | Layout, geometry: ModelGeometry, num_blocks: int, by: str = "layer",
+                moved_blocks: Sequence[int] = (), width: int | None = None,
+                spans: Sequence[tuple[int, int, int]] = (), rest: str | None = None) -> MapPicture:
+    """The cache's address space, one cell per head vector, coloured by ``by``.
+
+    Rows wrap every ``width`` cells (default: as many as one layer holds of one block). Blocks
+    in ``moved_blocks`` and the tokens of ``spans`` (block, first, end: part of a block, as
+    span_segments takes them) are solid, the rest faded, or in the colour ``rest``.
+    """
+    layout = get_layout(layout)
+    if by not in COLOUR_BY:
+        raise ValueError(f"colour by one of {COLOUR_BY}, not {by!r}")
+    labels = {k: v.numpy() for k, v in address_labels(layout, geometry, num_blocks).items()}
+    rgb = _colours(labels[by], by, _counts(geometry, num_blocks)[by])
+    moved = [(block, 0, geometry.block_size) for block in moved_blocks] + list(spans)
+    if moved:
+        still = np.ones(len(rgb), dtype=bool)
+        for block, first, end in moved:
+            still &= ~((labels["block"] == block) & (labels["token"] >= first) & (labels["token"] < end))
+        rgb[still] = matplotlib.colors.to_rgb(rest) if rest else _faded(rgb[still])
+    width = width or geometry.block_size * geometry.num_kv_heads * axis_sizes(layout, geometry, num_blocks)["S"]
+    rows = -(-len(rgb) // width)
+    image = np.ones((rows * width, 3))
+    image[: len(rgb)] = rgb
+    starts = tuple(float(start / width - 0.5) for start in np.flatnonzero(np.diff(labels["tensor"])) + 1)
+    segments = span_segments(layout, geometry, num_blocks, moved).count if moved else None
+    return MapPicture(image.reshape(rows, width, 3), starts, segments, len({b for b, _, _ in moved}))
+
+
+def _show(ax: plt.Axes, picture: MapPicture) -> None:
+    ax.imshow(picture.image, aspect="auto", interpolation="nearest")
+    for start in picture.tensor_starts:
+        ax.axhline(start, color="black", lw=0.8)
+    ax.set_xticks([])
+    ax.set_yticks([])
 
 
 def draw_memory_map(
@@ -191,41 +251,16 @@ def draw_memory_map(
     spans: Sequence[tuple[int, int, int]] = (),
     rest: str | None = None,
 ) -> int | None:
-    """Draw the cache's address space, one cell per head vector, coloured by ``by``.
-
-    Rows wrap every ``width`` cells (default: one layer's page of one block). Blocks in
-    ``moved_blocks`` and the tokens of ``spans`` (block, first, end: part of a block, as
-    span_segments takes them) are drawn solid, the rest faded, or in the colour ``rest``;
-    the title gives their segment count, which is returned (None when nothing moves).
-    """
+    """Draw :func:`map_picture`'s map on ``ax``, titled with the layout's name and the
+    segments moving what moved, which is returned (None when nothing moves)."""
     layout = get_layout(layout)
-    if by not in COLOUR_BY:
-        raise ValueError(f"colour by one of {COLOUR_BY}, not {by!r}")
-    labels = {k: v.numpy() for k, v in address_labels(layout, geometry, num_blocks).items()}
-    rgb = _colours(labels[by], by, _counts(geometry, num_blocks)[by])
-    moved = [(block, 0, geometry.block_size) for block in moved_blocks] + list(spans)
-    if moved:
-        still = np.ones(len(rgb), dtype=bool)
-        for block, first, end in moved:
-            still &= ~((labels["block"] == block) & (labels["token"] >= first) & (labels["token"] < end))
-        rgb[still] = matplotlib.colors.to_rgb(rest) if rest else 0.25 * rgb[still] + 0.75
-    width = width or geometry.block_size * geometry.num_kv_heads * axis_sizes(layout, geometry, num_blocks)["S"]
-    rows = -(-len(rgb) // width)
-    image = np.ones((rows * width, 3))
-    image[: len(rgb)] = rgb
-    ax.imshow(image.reshape(rows, width, 3), aspect="auto", interpolation="nearest")
-    starts = np.flatnonzero(np.diff(labels["tensor"])) + 1
-    for start in starts:
-        ax.axhline(start / width - 0.5, color="black", lw=0.8)
-    ax.set_xticks([])
-    ax.set_yticks([])
+    picture = map_picture(layout, geometry, num_blocks, by, moved_blocks, width, spans, rest)
+    _show(ax, picture)
     title = layout.name
-    segments = None
-    if moved:
-        segments = span_segments(layout, geometry, num_blocks, moved).count
-        title += f"\n{plural(segments, 'segment')} for {plural(len({b for b, _, _ in moved}), 'block')}"
+    if picture.segments is not None:
+        title += f"\n{plural(picture.segments, 'segment')} for {plural(picture.blocks, 'block')}"
     ax.set_title(title, fontsize=MEDIUM)
-    return segments
+    return picture.segments
 
 
 def _key_columns(entries: int, inches: float) -> int:
@@ -254,7 +289,7 @@ def memory_map(
         if by not in COLOUR_BY:
             raise ValueError(f"colour by one of {COLOUR_BY}, not {by!r}")
     inches = figure_width(width)
-    keys = [_key(by, geometry, num_blocks, layouts) for by in colour_by]
+    keys = [_key(by, geometry, num_blocks, layouts, moved_blocks) for by in colour_by]
     # a map about as tall as wide and as its key's column, within a page at double width
     panel = (inches - 0.3 - 0.7) / len(layouts)
     fixed = 1.2 if inches >= WIDTHS["double"] else 1.6  # the titles, the footnote and the space between rows
@@ -263,20 +298,21 @@ def memory_map(
         height = min(height, (MAX_HEIGHT - fixed) / len(colour_by) - 0.08)
     fig, axes = plt.subplots(len(colour_by), len(layouts), figsize=(inches, (height + 0.08) * len(colour_by) + fixed),
                              squeeze=False, layout="constrained")
-    segments = []
+    segments, widths = [], set()
     for row, by in enumerate(colour_by):
         for col, layout in enumerate(layouts):
-            counted = draw_memory_map(axes[row, col], layout, geometry, num_blocks, by, moved_blocks)
-            axes[row, col].set_title("")
+            picture = map_picture(layout, geometry, num_blocks, by, moved_blocks)
+            _show(axes[row, col], picture)
+            widths.add(picture.image.shape[1])
             if row == 0:
-                segments.append(counted)
+                segments.append(picture.segments)
         axes[row, 0].set_ylabel(_row_label(by, geometry))
         axes[row, -1].legend(handles=keys[row], loc="center left",
                              bbox_to_anchor=(1.0, 0.5), ncols=_key_columns(len(keys[row]), height), **KEY_STYLE)
     heads = "one MLA latent" if geometry.is_mla else plural(geometry.num_kv_heads, "kv head")
     figure_title(fig, f"{_model(geometry)}: {plural(geometry.num_layers, 'layer')}, {heads}, "
                       f"{plural(num_blocks, 'block')} of {plural(geometry.block_size, 'token')}")
-    _footnote(fig, _how_to_read(num_blocks, moved_blocks))
+    footnote(fig, _how_to_read(num_blocks, moved_blocks, sorted(widths)))
     fig.get_layout_engine().execute(fig)  # the maps' widths, for titles that fit them
     fits = min(_axes_inches(fig, ax) for ax in axes[0]) + 0.04
     for ax, layout, counted in zip(axes[0], layouts, _segments_texts(segments, len(set(moved_blocks)), fits)):
@@ -294,28 +330,37 @@ def atlas(
     columns: int | None = None,
     width: str | float = DEFAULT_WIDTH,
 ) -> plt.Figure:
-    """Every layout on one page, coloured by one property: a grid of small maps (``columns``
-    a row, default as many as the width holds), each under its layout's name and over the
-    segments moving the moved blocks; one colour key, and how to read a map in a footnote."""
+    """Every layout on one page, coloured by one property: a grid of maps (``columns`` a row,
+    default as many as leave each map 1.5 inches), layouts drawing the same map sharing one,
+    named under it; over each, the segments moving the moved blocks; one colour key, and how
+    to read a map in a footnote."""
     layouts = [get_layout(layout) for layout in layouts]
+    pictures: list[tuple[MapPicture, list[str]]] = []
+    for layout in layouts:
+        picture = map_picture(layout, geometry, num_blocks, by, moved_blocks)
+        same = next((names for drawn, names in pictures if drawn.same_as(picture)), None)
+        if same is None:
+            pictures.append((picture, [layout.name]))
+        else:
+            same.append(layout.name)
     inches = figure_width(width)
-    columns = columns or max(1, int(inches // 0.95))
-    rows = -(-len(layouts) // columns)
+    columns = min(columns or max(1, int(inches // 1.5)), len(pictures))
+    rows = -(-len(pictures) // columns)
     panel = inches / columns
-    # per row: a name of up to two lines above the map, its segments below, the space between
-    around = 0.5
+    names = [wrap(", ".join(group), panel - 0.1, SMALL) for _, group in pictures]
+    lines = [max((names[i].count("\n") + 1 for i in range(row * columns, min((row + 1) * columns, len(names)))))
+             for row in range(rows)]
     fixed = 0.75 if inches >= WIDTHS["double"] else 1.1  # the figure's title and footnote
-    height = min(max(0.75 * panel, 0.55), 1.2)
-    if inches >= WIDTHS["double"]:
-        height = min(height, (MAX_HEIGHT - fixed) / rows - around)
-    fig, axes = plt.subplots(rows, columns, figsize=(inches, (height + around) * rows + fixed), squeeze=False,
-                             layout="constrained")
-    segments = [draw_memory_map(ax, layout, geometry, num_blocks, by, moved_blocks)
-                for ax, layout in zip(axes.flat, layouts)]
-    empty = list(axes.flat)[len(layouts):]
+    height = min(max(0.5 * panel, 0.55), 0.85)
+    fig, axes = plt.subplots(rows, columns, figsize=(inches, sum(height + 0.35 + 0.12 * n for n in lines) + fixed),
+                             squeeze=False, layout="constrained")
+    for ax, (picture, _), name in zip(axes.flat, pictures, names):
+        _show(ax, picture)
+        ax.set_xlabel(name, fontsize=SMALL, labelpad=2)
+    empty = list(axes.flat)[len(pictures):]
     for ax in empty:
         ax.axis("off")
-    key = _key(by, geometry, num_blocks, layouts)
+    key = _key(by, geometry, num_blocks, layouts, moved_blocks)
     stacked = _key_columns(len(key), height + 0.3)
     entry = (KEY_STYLE["handlelength"] + KEY_STYLE["handletextpad"] + KEY_STYLE["columnspacing"]) * SMALL / 72
     if stacked * (entry + max(text_inches(e.get_label()) for e in key)) <= len(empty) * panel:  # the grid's empty corner
@@ -324,13 +369,15 @@ def atlas(
         corner.set_in_layout(False)  # it lies over the empty maps' places, leaving the grid as it is
     else:  # right of the grid, clear of the footnote under it
         fig.legend(handles=key, loc="outside right upper", **KEY_STYLE)
-    figure_title(fig, f"{_model(geometry)}: every layout, coloured by {_key_title(by, geometry)}")
-    _footnote(fig, _how_to_read(num_blocks, moved_blocks)
-              + (" Under each map: the segments that move them." if moved_blocks else ""))
+    figure_title(fig, f"{_model(geometry)}: every layout, coloured by {_key_title(by, geometry)}; layouts drawing "
+                      f"the same map share it")
+    footnote(fig, _how_to_read(num_blocks, moved_blocks, [p.image.shape[1] for p, _ in pictures])
+             + (" Over each map: the segments that move them; under it: the layouts it draws." if moved_blocks
+                else " Under each map: the layouts it draws."))
     fig.get_layout_engine().execute(fig)
     fits = min(_axes_inches(fig, ax) for ax in axes.flat) + 0.04
-    for ax, layout, counted in zip(axes.flat, layouts, _segments_texts(segments, len(set(moved_blocks)), fits)):
-        ax.set_title(_name(layout.name, fits), fontsize=SMALL)
+    counts = _segments_texts([p.segments for p, _ in pictures], len(set(moved_blocks)), fits)
+    for ax, counted in zip(axes.flat, counts):
         if counted:
-            ax.set_xlabel(counted, fontsize=SMALL, labelpad=2)
+            ax.set_title(counted, fontsize=SMALL)
     return fig

@@ -1,20 +1,23 @@
 """What every figure shares: sizes for a paper's single or double column, one colour-blind
 safe palette (Okabe-Ito's eight colours) with one colour per copy method and per reuse path
-across all figures, machine names for legends, legends without repeats, and saving for
-papers (PNG, SVG and PDF with embedded fonts, byte-reproducible)."""
+across all figures, machine names for legends, legends without repeats, log axes labelled in
+plain numbers, one run per figure, and titles checked against the rows (saving:
+kvlab.plotting.saving)."""
 
 from __future__ import annotations
 
 import functools
+import math
 import re
 import textwrap
-from pathlib import Path
-from typing import Callable, Collection, Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
+import matplotlib.axis
 import matplotlib.colors
 import matplotlib.font_manager
 import matplotlib.pyplot as plt
 import matplotlib.textpath
+import matplotlib.ticker
 from cycler import cycler
 
 from kvlab.cache.geometry import PRESETS
@@ -53,10 +56,6 @@ PAPER_RC = {
     "axes.prop_cycle": cycler(color=CYCLE), "axes.linewidth": 0.6, "lines.linewidth": 1.2, "lines.markersize": 4,
     "xtick.major.width": 0.6, "ytick.major.width": 0.6, "hatch.linewidth": 0.6, "legend.frameon": False,
 }
-# Applied when saving: fonts embedded as TrueType (editable, accepted by publishers), SVG
-# glyph ids from a fixed salt, so the same figure gives the same bytes.
-SAVE_RC = {"pdf.fonttype": 42, "ps.fonttype": 42, "svg.fonttype": "path", "svg.hashsalt": "kvlab"}
-FORMATS = ("png", "svg", "pdf")
 
 
 def figure_width(width: str | float) -> float:
@@ -124,6 +123,11 @@ def text_inches(text: str, size: float = SMALL) -> float:
     return max(_TEXT.get_text_width_height_descent(line, font, ismath=False)[0] for line in text.split("\n")) / 72
 
 
+def footnote(fig: plt.Figure, text: str) -> None:
+    """A caption-like note under everything drawn (the layout engine keeps room for it)."""
+    fig.supxlabel(wrap(text, fig.get_figwidth(), SMALL), fontsize=SMALL, color="0.25")
+
+
 def title(fig: plt.Figure, text: str) -> None:
     """The figure's title, wrapped to its width."""
     if text:
@@ -173,18 +177,6 @@ def readable(text: str, rows: Iterable[dict]) -> str:
     return text
 
 
-def with_hardware(label: str, hardware: str | None, machines: Collection[str | None]) -> str:
-    """``label`` naming its machine when the figure shows several (with one, the legend's
-    title names it: see :func:`machine_title`)."""
-    return f"{label}, {short_hardware(hardware)}" if len(set(machines)) > 1 else label
-
-
-def machine_title(machines: Collection[str | None]) -> str | None:
-    """The one machine a figure shows, for its legend's title (None when it shows several)."""
-    machines = set(machines)
-    return short_hardware(next(iter(machines))) if len(machines) == 1 else None
-
-
 def unique_legend(where: plt.Axes | plt.Figure, axes: Iterable[plt.Axes] | None = None, **kwargs):
     """A legend on ``where`` naming each label of ``axes``' artists (default: ``where``'s
     own axes) once, in the order first drawn."""
@@ -208,6 +200,113 @@ def as_records(rows: Iterable[dict] | None) -> list[dict]:
     return [] if rows is None else rows.to_dict("records") if hasattr(rows, "to_dict") else list(rows)
 
 
+def newest_run(rows: Iterable[dict]) -> list[dict]:
+    """The rows of the newest run among ``rows`` (by its date; rows without one are one run):
+    a paper figure draws one machine and one profile. Two runs of the same date from
+    different machines or profiles are refused rather than mixed."""
+    rows = as_records(rows)
+    runs: dict[tuple, list[dict]] = {}
+    for row in rows:
+        runs.setdefault((row.get("hardware"), row.get("profile"), row.get("run_date")), []).append(row)
+    if len(runs) <= 1:
+        return rows
+    dates = {key: key[2] or "" for key in runs}
+    newest = max(dates.values())
+    latest = [key for key, date in dates.items() if date == newest]
+    if len(latest) > 1:
+        raise ValueError(f"rows of {len(latest)} runs dated {newest!r} on different machines or profiles "
+                         f"({[key[:2] for key in latest]}): a paper figure draws one run; pass that run's rows")
+    return runs[latest[0]]
+
+
+TOKEN_COUNT = re.compile(r"(\d[\d,]*)[- ]tokens?\b")
+
+
+def one_run(rows: Iterable[dict], title: str = "", *keys: str) -> tuple[list[dict], str]:
+    """The rows a figure draws (:func:`newest_run` of ``rows``) and its ``title`` (one a
+    notebook writes from its rows), refused where it says what the drawn rows do not: a
+    token count ("2048-token", "512 tokens") none of them measured under ``keys``
+    ("tokens", "prompt_tokens"), or a machine whose run is not drawn."""
+    given = as_records(rows)
+    drawn = newest_run(given)
+    measured_counts = {int(r[key]) for r in drawn for key in keys if isinstance(r.get(key), (int, float))
+                       and r[key] == r[key]}
+    named = {int(count.replace(",", "")) for count in TOKEN_COUNT.findall(title)}
+    if measured_counts and named - measured_counts:
+        raise ValueError(f"the title names {sorted(named - measured_counts)} tokens, but the rows drawn measured "
+                         f"{sorted(measured_counts)} tokens: {title!r}")
+    drawn_machines = {r.get("hardware") for r in drawn}
+    other = [h for h in dict.fromkeys(r.get("hardware") for r in given)
+             if h and h not in drawn_machines and (h in title or short_hardware(h) in title)]
+    if other:
+        raise ValueError(f"the title names {other[0]!r}, whose run this figure does not draw (it draws the newest, "
+                         f"{sorted(map(str, drawn_machines))}): {title!r}")
+    return drawn, title
+
+
+class PlainLogLocator(matplotlib.ticker.LogLocator):
+    """Ticks of a log axis at round numbers, as many as its length holds labels for, decided
+    when the ticks are drawn (after every change to the axis's range): evenly spaced ones
+    (100, 150, 200) within a decade, else at 1, 2 and 5 of each decade, at 1 and 3, or at
+    each power of ten (every few where even those would crowd)."""
+
+    def tick_values(self, vmin: float, vmax: float):
+        low, high = sorted((vmin, vmax))
+        if low <= 0:  # no range yet (nothing drawn): matplotlib's own ticks
+            return super().tick_values(vmin, vmax)
+        decades = math.log10(high / low)
+        if decades < 1:
+            even = matplotlib.ticker.MaxNLocator(nbins="auto" if self.axis else 6, steps=[1, 2, 2.5, 5, 10],
+                                                 min_n_ticks=3)
+            even.set_axis(self.axis)
+            ticks = even.tick_values(low, high)
+            return ticks[ticks > 0]
+        room = self.axis.get_tick_space() if self.axis is not None else 9
+        if isinstance(self.axis, matplotlib.axis.XAxis):  # matplotlib allows 3 ems a label; a long number takes more
+            room = max(2, int(room * 3 / (0.6 * len(plain_number(high)) + 1)))
+        choices = [(1, 2, 5), (1, 3), (1,)]
+        counts = [sum(low <= sub * 10.0 ** k <= high for sub in subs
+                      for k in range(math.floor(math.log10(low)), math.ceil(math.log10(high)) + 1)) for subs in choices]
+        fitting = next((i for i, count in enumerate(counts) if count <= room), len(choices) - 1)
+        readable = max((i for i, count in enumerate(counts) if count >= 3), default=0)  # at least 3 labels
+        self.set_params(subs=choices[min(fitting, readable)])
+        return super().tick_values(vmin, vmax)
+
+
+def plain_number(value: float) -> str:
+    """A tick's number in few characters: '0.5', '2', '1,000', '30k', '1M', '100M'."""
+    for least, unit, suffix in ((1e9, 1e9, "G"), (1e6, 1e6, "M"), (1e5, 1e3, "k")):
+        if abs(value) >= least:
+            return f"{value / unit:,.10g}{suffix}"
+    return f"{value:,.10g}"
+
+
+def plain_log_ticks(axis) -> None:
+    """A log ``axis`` labelled in plain numbers (0.5, 2, 1,000; never 4×10¹) at
+    :class:`PlainLogLocator`'s ticks, its minor ticks unlabelled."""
+    axis.set_major_locator(PlainLogLocator(numticks="auto"))
+    axis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: plain_number(value)))
+    axis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+
+
+def measured(value) -> bool:
+    """A number was recorded: not None, and not NaN (what a missing one becomes in a DataFrame)."""
+    return value is not None and value == value
+
+
+def signed(value: float) -> str:
+    """'+11', '−33' (a typographic minus)."""
+    return f"{value:+.0f}".replace("-", "−")
+
+
+def over_own_floor(ms: float, floor_ms: float | None) -> str:
+    """A warm time's note: its milliseconds and how far it sits from the same engine's own
+    prefix hit (the floor drawn on its row), or that it sits below it."""
+    if floor_ms is None or floor_ms != floor_ms:
+        return f"{ms:.0f} ms"
+    return f"{ms:.0f} ms ({signed(ms - floor_ms)}{': below' if ms < floor_ms else ' over'} own floor)"
+
+
 def plural(count: int, word: str) -> str:
     """'1 segment', '1,024 segments'."""
     return f"{count:,} {word}{'s' * (count != 1)}"
@@ -221,50 +320,8 @@ def human_bytes(n: float) -> str:
     raise AssertionError
 
 
-def provenance(rows: Iterable[dict]) -> str:
-    """Where a figure's numbers come from: each machine and the profile it ran under, and each
-    published source (a row with ``published``: kvlab.plotting.gpu_model.citations) with its hardware."""
-    rows = as_records(rows)
-    published = dict.fromkeys(f"{r['published']} ({r.get('hardware') or 'hardware not stated'})"
-                              for r in rows if r.get("published"))
-    runs = dict.fromkeys((r.get("hardware") or "this machine", r.get("profile") or "unrecorded") for r in rows
-                         if not r.get("published"))
-    measured = "measured on " + "; ".join(f"{hardware}, {profile} profile" for hardware, profile in runs)
-    if not published:
-        return measured
-    cited = "published: " + "; ".join(published)
-    return f"{measured}; {cited}" if runs else cited
-
-
-def save_figure(fig: plt.Figure, name: str, figures_dir: str | Path, formats: Sequence[str] = FORMATS,
-                source: Iterable[dict] | None = None) -> list[Path]:
-    """Save ``fig`` as ``figures_dir/name.{png,svg,pdf}`` (PNG for reading, SVG and PDF for
-    papers), the same bytes for the same figure (clean git diffs). With ``source`` (the
-    result rows drawn), a footer names their machines and profiles."""
-    unknown = set(formats) - set(FORMATS)
-    if unknown:
-        raise ValueError(f"save_figure writes {FORMATS}, not {sorted(unknown)}")
-    fig.canvas.draw()  # laid out, then kept so: saving crops the figure, and a legend placed
-    fig.set_layout_engine("none")  # on the figure's edge would move with the crop
-    for legend in fig.legends:
-        legend.set_bbox_to_anchor((0, 0, 1, 1), transform=fig.transFigure)
-    if source is not None:  # below everything drawn
-        bottom = fig.get_tightbbox(fig.canvas.get_renderer()).y0 / fig.get_figheight()
-        fig.text(0.995, min(bottom, 0.0), wrap(provenance(source), fig.get_figwidth(), SMALL), ha="right", va="top",
-                 fontsize=SMALL, color="0.35")
-    figures_dir = Path(figures_dir)
-    figures_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for fmt in formats:
-        path = figures_dir / f"{name}.{fmt}"
-        with plt.rc_context(SAVE_RC):
-            fig.savefig(path, dpi=300, bbox_inches="tight", pad_inches=0.03,
-                        metadata={"svg": {"Date": None}, "pdf": {"CreationDate": None}}.get(fmt))
-        paths.append(path)
-    return paths
-
-
-def _ok(rows: Iterable[dict], **match) -> list[dict]:
+def ok_rows(rows: Iterable[dict], **match) -> list[dict]:
+    """The rows measured without error (status "ok") whose fields equal ``match``."""
     return [r for r in rows if r.get("status") == "ok" and all(r.get(k) == v for k, v in match.items())]
 
 
@@ -294,13 +351,14 @@ def dots(ax: plt.Axes, ys: Sequence[float], values: Sequence[float], colours: Se
     a faint line to its row's label."""
     ax.scatter(values, ys, s=20, c=colours, zorder=3)
     ax.set_xscale("log")
+    plain_log_ticks(ax.xaxis)
     ax.grid(axis="y", color=LIGHT_GREY, lw=0.5)
     for y, end, text in zip(ys, ends or values, texts):
         ax.annotate(text, (end, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=SMALL)
 
 
-def _rows_labelled(fig: plt.Figure, axes: Sequence[plt.Axes], labels: Sequence[str], title_text: str,
-                   room: Sequence[int] = ()) -> plt.Figure:
+def rows_labelled(fig: plt.Figure, axes: Sequence[plt.Axes], labels: Sequence[str], title_text: str,
+                  room: Sequence[int] = ()) -> plt.Figure:
     """Finish panels of horizontal bars sharing their rows (``sharey``): row labels wrapped to
     a third of the figure's width, the first row on top, the title, and on each panel room
     for numbers of ``room[i]`` characters right of the bars."""

@@ -7,7 +7,11 @@ Code inputs are folded into a <details> element: the page is read for its prose,
 figures, and the code (the notebooks' calls into kvlab) stays one click away. Papermill's
 injected-parameters cell, stderr log lines (font fallbacks, backend notices) and widget
 outputs (tqdm bars, which need a live kernel and whose text fallback is the bar's first
-frame) are left out. Error outputs are never shown: a banner at the top names them."""
+frame) are left out. Error outputs are never shown: a banner at the top names them.
+
+Every image is a figure with a caption and alt text: those its notebook recorded with it
+(kvlab.plotting.saving.save_figure shows each figure it saves so); a banner names an image
+without them. A wide table scrolls sideways within the page instead of being cut off."""
 
 from __future__ import annotations
 
@@ -36,8 +40,15 @@ STYLE = """
 .kvlab-contents li.kvlab-h3 { padding-left: 20px; }
 .kvlab-contents .kvlab-run { color: var(--jp-content-font-color2); font-size: 90%; }
 .kvlab-notebook { border-top: 2px solid var(--jp-border-color1); margin-top: 32px; }
-.kvlab-notebook .jp-OutputArea-output { overflow-x: auto; }  /* a wide table scrolls, never cut off */
+/* a wide table scrolls within its output, with a scrollbar always shown (an overlay scrollbar,
+   as macOS draws by default, leaves a table looking cut off at the page's edge) */
+.kvlab-notebook .jp-OutputArea-output { overflow-x: auto; }
+.kvlab-notebook .jp-OutputArea-output::-webkit-scrollbar { height: 10px; }
+.kvlab-notebook .jp-OutputArea-output::-webkit-scrollbar-thumb { background: #b0b0b0; border-radius: 5px; }
+.kvlab-notebook .jp-OutputArea-output::-webkit-scrollbar-track { background: #eeeeee; }
 .kvlab-notebook .jp-OutputArea-output img { max-width: 100%; height: auto; }
+.kvlab-notebook figure.kvlab-figure { margin: 0; }
+.kvlab-notebook figure.kvlab-figure figcaption { font-size: 90%; color: var(--jp-content-font-color2); margin: 4px 0 8px; }
 details.kvlab-code > summary { cursor: pointer; color: var(--jp-content-font-color2); margin-left: 64px;
   font: var(--jp-code-font-size) var(--jp-code-font-family); }
 """
@@ -99,7 +110,19 @@ class ExecutedNotebook:
 
     def images(self) -> int:
         """How many images the notebook's outputs hold."""
-        return sum(IMAGE in output.get("data", {}) for cell in self.node.cells for output in cell.get("outputs", []))
+        return len(self.image_outputs())
+
+    def image_outputs(self) -> list[tuple[int | None, dict[str, Any]]]:
+        """Every image output the page shows, in order, as (its cell's execution count, its
+        image's metadata)."""
+        return [(cell.get("execution_count"), output.get("metadata", {}).get(IMAGE, {}))
+                for cell in _readable(self.node).cells for output in cell.get("outputs", [])
+                if IMAGE in output.get("data", {})]
+
+    def undescribed_images(self) -> list[str]:
+        """``In [n]: an image without alt text`` for every image recorded without a description."""
+        return [f"In [{count}]: an image without alt text" for count, described in self.image_outputs()
+                if not described.get("alt")]
 
     def errors(self) -> list[str]:
         """``In [n]: EName: message`` for every error output the notebook holds."""
@@ -135,6 +158,8 @@ def write_report(notebooks_dir: str | Path = "data/notebooks", out_dir: str | Pa
     notebooks = read_executed(notebooks_dir)
     results_dir = Path(notebooks_dir).parent / "results" if results_dir is None else Path(results_dir)
     rendered = [_render(notebook) for notebook in notebooks]
+    for notebook, (soup, _) in zip(notebooks, rendered):
+        _describe_images(soup, notebook)
     page = rendered[0][0]  # the lab template's head and styles, once
     for script in page.head.find_all("script"):
         if script.get("src") or script.get("type") in EXTERNAL_SCRIPT_TYPES:
@@ -189,6 +214,22 @@ def _render(notebook: ExecutedNotebook) -> tuple[Any, list[tuple[int, str, str]]
     return soup, headings
 
 
+def _describe_images(soup: Any, notebook: ExecutedNotebook) -> None:
+    """Give each image of ``soup`` (the rendered ``notebook``) the alt text its output
+    recorded, and a caption under it (the recorded caption, else the alt text): a <figure>."""
+    images = [img for img in soup.select(".jp-RenderedImage img")]
+    outputs = notebook.image_outputs()
+    if len(images) != len(outputs):
+        raise ValueError(f"{notebook.path.name}: {len(outputs)} image outputs rendered as {len(images)} images")
+    for img, (count, described) in zip(images, outputs):
+        alt = described.get("alt") or f"a figure without a description (In [{count}])"
+        img["alt"] = alt
+        figure = img.wrap(soup.new_tag("figure", attrs={"class": "kvlab-figure"}))
+        caption = soup.new_tag("figcaption")
+        caption.string = described.get("caption") or alt
+        figure.append(caption)
+
+
 def _readable(node: nbformat.NotebookNode) -> nbformat.NotebookNode:
     """A copy without what cannot or should not render statically (see the module doc)."""
     node = copy.deepcopy(node)
@@ -210,6 +251,7 @@ def _header(notebooks: list[ExecutedNotebook], results_dir: Path,
 
     errors = [(n, error) for n in notebooks for error in n.errors()]
     missing = [(n, cell) for n in notebooks for cell in n.missing_figures()]
+    undescribed = [(n, cell) for n in notebooks for cell in n.undescribed_images()]
     banner = ""
     if errors:
         items = "".join(f"<li><a href='#{n.path.stem}'>{escape(n.path.name)}</a> {escape(e)}</li>" for n, e in errors)
@@ -220,6 +262,11 @@ def _header(notebooks: list[ExecutedNotebook], results_dir: Path,
         items = "".join(f"<li><a href='#{n.path.stem}'>{escape(n.path.name)}</a> {escape(c)}</li>" for n, c in missing)
         banner += (f"<div class='kvlab-errors' role='alert'><h2>{len(missing)} cell(s) saved a figure they do not "
                    f"show</h2><p>Those figures are in data/figures but not on this page.</p><ul>{items}</ul></div>")
+    if undescribed:
+        items = "".join(f"<li><a href='#{n.path.stem}'>{escape(n.path.name)}</a> {escape(c)}</li>" for n, c in undescribed)
+        banner += (f"<div class='kvlab-errors' role='alert'><h2>{len(undescribed)} image(s) without a description"
+                   f"</h2><p>A figure saved with kvlab.plotting.save_figure is shown with its caption and alt text."
+                   f"</p><ul>{items}</ul></div>")
     profiles = sorted({n.profile for n in notebooks})
     starts = [n.started for n in notebooks if n.started]
     ends = [n.ended for n in notebooks if n.ended]

@@ -10,8 +10,9 @@ from typing import Sequence
 import matplotlib.pyplot as plt
 import matplotlib.ticker
 
-from kvlab.plotting.common import (BLACK, BLUE, CROSS_LAYER, CYCLE, DEFAULT_WIDTH, GREY, PER_LAYER, PURPLE, VERMILLION,
-                                   panels, paper_figure, readable, unique_legend)
+from kvlab.plotting.common import (BLACK, BLUE, CROSS_LAYER, CYCLE, DEFAULT_WIDTH, GREY, PER_LAYER, PURPLE, SMALL,
+                                   VERMILLION, measured, one_run, panels, paper_figure,
+                                   plain_log_ticks, readable, unique_legend, wrap)
 from kvlab.plotting.common import title as figure_title
 
 PATH_STYLES = {"KVLab, memory": (BLUE, "o"), "KVLab, shm": (CYCLE[5], "s"), "KVLab, disk": (CYCLE[2], "^"),
@@ -26,7 +27,8 @@ def costs_by_length_figure(rows: Sequence[dict], title: str = "", width: str | f
     prompt length, and the STREAM-style copy of the same bytes (the physical bound, dashed).
     Right: that overhead over the bound."""
     fig, (ax, ratio) = panels(2, width, 2.4)
-    rows = [r for r in rows if _number(r.get("overhead_s"))]  # a path that could not run a length says why in its row
+    drawn, title = one_run(rows, title, "prompt_tokens")
+    rows = [r for r in drawn if measured(r.get("overhead_s"))]  # a path that could not run says why in its row
     for path in dict.fromkeys(r["path"] for r in rows):
         colour, marker = PATH_STYLES.get(path, (GREY, "o"))
         mine = sorted((r for r in rows if r["path"] == path), key=lambda r: r["prompt_tokens"])
@@ -34,7 +36,7 @@ def costs_by_length_figure(rows: Sequence[dict], title: str = "", width: str | f
                 color=colour, label=path)
         ratio.plot([r["prompt_tokens"] for r in mine], [r["bound_ratio"] for r in mine], marker=marker, color=colour,
                    label=path)
-    bound = sorted({(r["prompt_tokens"], r["stream_s"]) for r in rows if _number(r.get("stream_s"))})
+    bound = sorted({(r["prompt_tokens"], r["stream_s"]) for r in rows if measured(r.get("stream_s"))})
     ax.plot([t for t, _ in bound], [1e3 * s for _, s in bound], ls="--", color=BLACK, label="STREAM copy (bound)")
     ratio.axhline(1.5, ls=":", color=GREY, lw=0.8, label="target: 1.5x")
     ax.set_yscale("log")
@@ -48,6 +50,7 @@ def costs_by_length_figure(rows: Sequence[dict], title: str = "", width: str | f
 def lookup_scaling_figure(rows: Sequence[dict], title: str = "", width: str | float = DEFAULT_WIDTH) -> plt.Figure:
     """Left: a scheduler's lookup of one prompt against the chunks its tier stores, a new
     engine's first (headers read) and a repeated one. Right: the disk tier's start-up."""
+    rows, title = one_run(rows, title, "prompt_tokens")
     fig, (ax, start) = panels(2, width, 2.2)
     for tier, colour in (("disk", CYCLE[2]), ("redis", VERMILLION)):
         mine = sorted((r for r in rows if r["tier"] == tier), key=lambda r: r["stored_chunks"])
@@ -69,6 +72,7 @@ def lookup_scaling_figure(rows: Sequence[dict], title: str = "", width: str | fl
 @paper_figure
 def concurrency_figure(rows: Sequence[dict], title: str = "", width: str | float = DEFAULT_WIDTH) -> plt.Figure:
     """Throughput and p99 time to first token against concurrent requests, per server."""
+    rows, title = one_run(rows, title)
     fig, (ax, tail) = panels(2, width, 2.2)
     for server in dict.fromkeys(r["server"] for r in rows):
         colour, marker = SERVER_STYLES.get(server, (GREY, "o"))
@@ -89,42 +93,61 @@ def scale_prediction_figure(predictions: Sequence[dict], calibration: Sequence[d
                             width: str | float = DEFAULT_WIDTH) -> plt.Figure:
     """Left: the cost model's time for every host to fetch its prefixes at once against the
     host count, per store (line style) and way (colour: an object per per-layer run, per
-    cross-layer run, per chunk). Right: the same model against this host's own prefix
-    measurements, which calibrate it (on the diagonal: predicted as measured)."""
+    cross-layer run, per chunk; stores predicted alike share a line). Right: the same model
+    against this host's own prefix measurements, which calibrate it (marker: the store), and
+    on which side of the diagonal (predicted as measured) it sits. From one machine's fits
+    (the newest in ``predictions``)."""
+    predictions, title = one_run(predictions, title, "tokens")
     fig, (ax, check) = panels(2, width, 2.4)
     styles = {"mooncake": "-", "redis cluster": "--"}
+    series: dict[tuple, list[str]] = {}  # the hosts' predicted seconds of a layout and way: the stores predicting them
     for (store, layout, way) in dict.fromkeys((r["store"], r["layout"], r["way"]) for r in predictions):
         mine = sorted((r for r in predictions if (r["store"], r["layout"], r["way"]) == (store, layout, way)),
                       key=lambda r: r["hosts"])
-        per_chunk = way == "object per chunk"
-        if per_chunk and layout != mine[0]["layout"]:
-            continue
-        colour = GREY if per_chunk else CROSS_LAYER if layout.startswith("B") else PER_LAYER
-        label = "an object per chunk" if per_chunk else f"{layout}: an object per run"
-        ax.plot([r["hosts"] for r in mine], [r["predicted_s"] for r in mine], marker="o", ms=3, color=colour,
-                ls=styles.get(store, ":"), label=label)
+        per_chunk = way == "object per chunk"  # a chunk's one object: the same for every layout
+        key = ("per chunk" if per_chunk else layout, tuple((r["hosts"], r["predicted_s"]) for r in mine))
+        stores = series.setdefault(key, [])
+        if store not in stores:
+            stores.append(store)
+    for (name, points), stores in series.items():
+        colour = GREY if name == "per chunk" else CROSS_LAYER if name.startswith("B") else PER_LAYER
+        label = "an object per chunk" if name == "per chunk" else f"{name}: an object per run"
+        hosts, seconds = zip(*points)
+        ax.plot(hosts, seconds, marker="o", ms=3, color=colour, ls=styles.get(stores[0], ":") if len(stores) == 1 else
+                "-.", label=label if len(stores) == 1 else f"{label} ({' = '.join(stores)})")
     for store, style in styles.items():
         ax.plot([], [], color=BLACK, ls=style, label=store)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("hosts fetching at once")
-    ax.set_ylabel(f"predicted (s), {predictions[0]['prefixes']} prefixes/host")
+    ax.set_xlabel(f"hosts fetching at once, {predictions[0]['prefixes']} prefixes each")
+    ax.set_ylabel("predicted (s)")
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:,.0f}"))
+    markers = {"mooncake": "o", "redis cluster": "s"}
     for row in calibration:
         colour = CROSS_LAYER if row["layout"].startswith("B") else PER_LAYER
         check.scatter(1e3 * row["measured_s"], 1e3 * row["predicted_s"], color=colour, s=14,
-                      marker="o" if row["store"] == "mooncake" else "s")
+                      marker=markers.get(row["store"], "D"))
+    for store in dict.fromkeys(row["store"] for row in calibration):
+        check.scatter([], [], color=GREY, s=14, marker=markers.get(store, "D"), label=f"{store} (right)")
     edges = [1e3 * v for r in calibration for v in (r["measured_s"], r["predicted_s"])]
     if edges:
         check.plot([min(edges), max(edges)], [min(edges), max(edges)], color=GREY, ls=":", lw=0.8)
-    for axis in (check.xaxis, check.yaxis):
-        check.set_xscale("log") if axis is check.xaxis else check.set_yscale("log")
-        axis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
-        axis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        below, count = sum(r["predicted_s"] < r["measured_s"] for r in calibration), len(calibration)
+        note = (f"{below} of {count} below the diagonal: the model predicts less time than measured"
+                if 2 * below > count else f"{count - below} of {count} above the diagonal: the model predicts "
+                                          f"more time than measured" if 2 * below < count else
+                f"{below} of {count} below the diagonal, {count - below} above")
+        fig.get_layout_engine().execute(fig)
+        check.text(0.03, 0.97, wrap(note, 0.75 * check.get_position().width * fig.get_figwidth(), SMALL),
+                   transform=check.transAxes, va="top", fontsize=SMALL)
+    check.set_xscale("log")
+    check.set_yscale("log")
+    for axis in (ax.yaxis, check.xaxis, check.yaxis):
+        plain_log_ticks(axis)
     check.set_xlabel("measured on this host (ms)")
     check.set_ylabel("model (ms)")
     unique_legend(fig, loc="outside lower center", ncols=3 if fig.get_figwidth() >= 5 else 2)
-    figure_title(fig, readable(title, list(predictions)))
+    figure_title(fig, readable(title, predictions))
     return fig
 
 
@@ -135,16 +158,8 @@ def _finish(fig: plt.Figure, xlabel: str, base: int, columns: int, title: str, r
         axis.set_xscale("log", base=base)
         axis.set_xlabel(xlabel)
         axis.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:,.0f}"))
-        if axis.get_yscale() == "log":  # plain numbers at 1, 2 and 5 of each decade where few decades show
-            low, high = axis.get_ylim()
-            axis.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1, 2, 5) if high <= 100 * low else (1,)))
-            axis.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
-            axis.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        if axis.get_yscale() == "log":
+            plain_log_ticks(axis.yaxis)
     unique_legend(fig, loc="outside lower center", ncols=columns if fig.get_figwidth() >= 5 else 2)
     figure_title(fig, readable(title, rows))
     return fig
-
-
-def _number(value: object) -> bool:
-    """A measured value: not None, and not NaN (what a missing one becomes in a DataFrame)."""
-    return value is not None and value == value

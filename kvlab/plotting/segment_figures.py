@@ -1,6 +1,6 @@
 """Figures of notebook 01's segment arithmetic: segments and their size against tokens
-moved (segment_scaling) and for every layout at once (segments_by_layout). Drawn from
-kvlab.cache.segments.sweep rows."""
+moved, a panel per block size (segment_scaling), and for every layout at once
+(segments_by_layout). Drawn from kvlab.cache.segments.sweep rows."""
 
 from __future__ import annotations
 
@@ -11,68 +11,79 @@ import matplotlib.pyplot as plt
 import matplotlib.ticker
 import numpy as np
 
-from kvlab.plotting.common import (CYCLE, DEFAULT_WIDTH, SMALL, dots, figure_width, human_bytes, panels, paper_figure,
+from kvlab.plotting.common import (CYCLE, DEFAULT_WIDTH, SMALL, dots, figure_width, human_bytes, paper_figure,
                                    room_for_numbers, text_inches, wrap)
 from kvlab.plotting.common import title as figure_title
 
 
 @paper_figure
 def segment_scaling(rows: Sequence[dict], title: str = "", width: str | float = DEFAULT_WIDTH) -> plt.Figure:
-    """Segments and mean segment size against tokens moved, a line per layout and block size:
-    a colour and marker per layout, a line style per block size, each named once in the key
-    under the panels.
+    """Segments (top row) and mean segment size (bottom row) against tokens moved, a column of
+    panels per block size and a line per layout, in a colour and marker of its own; layouts
+    moving the same, to the two digits a log axis shows, share a line and a name in the key
+    ("A, B" where exactly the same, "A ≈ B" where not), so none hides under another.
 
     ``rows`` are kvlab.cache.segments.sweep rows.
     """
-    fig, (left, right) = panels(2, width, 2.4)
-    series: dict[tuple[str, int], list[dict]] = {}
-    for row in rows:
-        series.setdefault((row["layout"], row["block_size"]), []).append(row)
-    layouts = list(dict.fromkeys(k[0] for k in series))
-    sizes = sorted({k[1] for k in series})
-    marks = {layout: dict(color=CYCLE[i % len(CYCLE)], marker="os^vDP*X"[i % 8], ms=4.5 - 0.5 * (i % 3), mfc="none")
-             for i, layout in enumerate(layouts)}
-    styles = {size: ["-", "--", ":", "-."][k % 4] for k, size in enumerate(sizes)}
-    for (layout, block_size), points in series.items():
-        points = sorted(points, key=lambda r: r["tokens"])
-        tokens = [p["tokens"] for p in points]
-        style = dict(ls=styles[block_size], lw=1, **marks[layout])
-        left.plot(tokens, [p["segments"] for p in points], **style)
-        right.plot(tokens, [p["mean_segment_bytes"] for p in points], **style)
-    for ax, ylabel in ((left, "contiguous segments"), (right, "mean segment size")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log", base=2)
-        ax.set_xlabel("tokens moved")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="major", alpha=0.3)
-    right.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: human_bytes(v)))
-    key = ([matplotlib.lines.Line2D([], [], lw=1, label=layout, **marks[layout]) for layout in layouts]
-           + [matplotlib.lines.Line2D([], [], color="0.3", lw=1, ls=styles[size], label=f"BS={size}")
-              for size in sizes])
+    sizes = sorted({r["block_size"] for r in rows})
+    inches = figure_width(width)
+    columns = min(len(sizes), max(1, int(inches // 1.5)))
+    bands = -(-len(sizes) // columns)  # rows of block sizes, each a segments and a size row of panels
+    fig, axes = plt.subplots(2 * bands, columns, figsize=(inches, 1.35 * 2 * bands + 0.9), squeeze=False,
+                             sharex=True, layout="constrained")
+    series: dict[tuple, dict[str, list]] = {}  # what layouts move, to 2 digits (a log axis's eye): theirs
+    for layout in dict.fromkeys(r["layout"] for r in rows):
+        moved = [(r["block_size"], r["tokens"], r["segments"], r["mean_segment_bytes"])
+                 for r in sorted(rows, key=lambda r: (r["block_size"], r["tokens"])) if r["layout"] == layout]
+        seen = tuple((bs, tokens, float(f"{segments:.2g}"), float(f"{size:.2g}")) for bs, tokens, segments, size in moved)
+        series.setdefault(seen, {}).setdefault(layout, moved)
+    names = {seen: (", " if len({tuple(m) for m in same.values()}) == 1 else " ≈ ").join(same)
+             for seen, same in series.items()}
+    marks = {seen: dict(color=CYCLE[i % len(CYCLE)], marker="os^vDP*X"[i % 8], ms=3.5, mfc="none", lw=1)
+             for i, seen in enumerate(series)}
+    for k, block_size in enumerate(sizes):
+        top, bottom = axes[2 * (k // columns), k % columns], axes[2 * (k // columns) + 1, k % columns]
+        for seen, same in series.items():
+            tokens, segments, size = zip(*[(n, count, size) for bs, n, count, size in next(iter(same.values()))
+                                           if bs == block_size])
+            top.plot(tokens, segments, label=names[seen], **marks[seen])
+            bottom.plot(tokens, size, label=names[seen], **marks[seen])
+        top.set_title(f"block size {block_size}", fontsize=SMALL)
+        for ax, ylabel in ((top, "segments"), (bottom, "mean segment")):
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log", base=2)
+            ax.grid(True, which="major", alpha=0.3)
+            ax.set_ylabel(ylabel if k % columns == 0 else "")
+        bottom.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: human_bytes(v)))
+        bottom.set_xlabel("tokens moved")
+    for ax in list(axes.flat)[2 * len(sizes):]:
+        ax.axis("off")
+    for row in axes:  # one y range a row of panels, so block sizes compare at a glance
+        shown = [ax for ax in row if ax.lines]
+        low, high = min(ax.get_ylim()[0] for ax in shown), max(ax.get_ylim()[1] for ax in shown)
+        for ax in shown:
+            ax.set_ylim(low, high)
+    key = [matplotlib.lines.Line2D([], [], label=names[seen], **marks[seen]) for seen in series]
     style = dict(handlelength=2.4, handletextpad=0.5, columnspacing=1.2)
-    fig.legend(handles=key, loc="outside lower center", ncols=_key_columns_across(key, figure_width(width), split=len(layouts), **style),
-               **style)
+    fig.legend(handles=key, loc="outside lower center", ncols=_key_columns_across(key, inches, **style), **style)
     figure_title(fig, title)
     return fig
 
 
 def _key_columns_across(key: Sequence, inches: float, handlelength: float, handletextpad: float,
-                        columnspacing: float, split: int = 0) -> int:
+                        columnspacing: float) -> int:
     """The most columns a key's entries (filled column by column, as matplotlib does) take
-    within ``inches`` of width, preferring those where the first ``split`` entries (one kind
-    of entry, the rest another) fill whole columns of their own."""
+    within ``inches`` of width."""
     em = SMALL / 72
     widths = [(handlelength + handletextpad) * em + text_inches(entry.get_label()) for entry in key]
-    fitting, clean = [1], [1] if split in (0, len(widths)) else []
+    fitting = [1]
     for columns in range(2, len(widths) + 1):
         rows, longer = divmod(len(widths), columns)
         starts = np.cumsum([0] + [rows + 1] * longer + [rows] * (columns - longer))
         across = sum(max(widths[a:b]) for a, b in zip(starts[:-1], starts[1:])) + (columns - 1) * columnspacing * em
         if across <= inches - 0.2:
             fitting.append(columns)
-            if split in (0, *starts):
-                clean.append(columns)
-    return max(clean or fitting)
+    return max(fitting)
 
 
 @paper_figure

@@ -13,9 +13,9 @@ import matplotlib.pyplot as plt
 import matplotlib.ticker
 import numpy as np
 
-from kvlab.plotting.common import (CROSS_LAYER, DEFAULT_WIDTH, GREY, PER_LAYER, SMALL, _ok, figure_width, human_bytes,
-                                   ink, machine_title, method_colour, model_name, panels, paper_figure,
-                                   short_hardware, title, unique_legend, with_hardware, wrap)
+from kvlab.plotting.common import (CROSS_LAYER, DEFAULT_WIDTH, GREY, LIGHT_GREY, PER_LAYER, SMALL, figure_width,
+                                   human_bytes, ink, method_colour, model_name, newest_run, ok_rows, panels, paper_figure,
+                                   plain_log_ticks, short_hardware, title, unique_legend, wrap)
 from kvlab.transfer.registry import ALL_METHODS, get_method
 
 DIRECTION_STYLES = {"offload": "-", "load": "--"}
@@ -23,12 +23,12 @@ MARKERS = "os^Dv"
 
 
 def _one_machine(rows: list[dict], hardware: str | None) -> tuple[list[dict], str | None]:
-    """The rows of ``hardware`` (default: the first machine in ``rows``) and its name."""
+    """The newest run of ``hardware`` (default: the newest run in ``rows``) and its machine."""
     machines = list(dict.fromkeys(r.get("hardware") for r in rows))
-    hardware = hardware if hardware is not None else (machines[0] if machines else None)
-    if rows and hardware not in machines:
+    if rows and hardware is not None and hardware not in machines:
         raise ValueError(f"no rows measured on {hardware!r}; these rows are from {machines}")
-    return [r for r in rows if r.get("hardware") == hardware], hardware
+    chosen = newest_run([r for r in rows if hardware is None or r.get("hardware") == hardware])
+    return chosen, chosen[0].get("hardware") if chosen else hardware
 
 
 def _legend_columns(inches: float, labels: int, label_inches: float = 1.0) -> int:
@@ -80,10 +80,10 @@ def transfer_ratios(rows: Sequence[dict], model: str, tokens: int, block_ids: st
                     target: str = "host", width: str | float = DEFAULT_WIDTH,
                     hardware: str | None = None) -> plt.Figure:
     """Each layout x method as a share of the copy ceiling measured beside it, per direction,
-    on one machine (``hardware``, default the first in ``rows``); every method the rows
-    measured, whiskers span the repeats' quartiles, hatched bars are flagged as noise,
-    numbers are GB/s where they fit."""
-    chosen, hardware = _one_machine(_ok(rows, model=model, tokens=tokens, block_ids=block_ids, target=target),
+    from one run (the newest of ``hardware``, default the newest in ``rows``); every method
+    the rows measured, whiskers span the repeats' quartiles, hatched bars are flagged as
+    noise (hatching means that in every figure), numbers are GB/s where they fit."""
+    chosen, hardware = _one_machine(ok_rows(rows, model=model, tokens=tokens, block_ids=block_ids, target=target),
                                     hardware)
     layouts = list(dict.fromkeys(r["layout"] for r in chosen))
     methods = [m for m in ALL_METHODS if any(r["method"] == m for r in chosen)]
@@ -108,7 +108,9 @@ def transfer_ratios(rows: Sequence[dict], model: str, tokens: int, block_ids: st
         ax.axhline(1.0, color="black", lw=0.8, ls="--")
         ax.set_xticks([i + bar * (len(methods) - 1) / 2 for i in range(len(layouts))], layouts)
         ax.set_title(_direction(direction, hardware, target))
-        ax.set_ylim(0, 1.3)
+    top = max([1.3] + [1.08 * high for bars in numbers.values() for _, _, high, _, _, _ in bars])
+    for ax in axes:  # every bar and whisker whole, a method faster than the ceiling too
+        ax.set_ylim(0, top)
         ax.set_ylabel("share of ceiling")
     keys = [matplotlib.lines.Line2D([], [], color="black", lw=0.8, ls="--", label="ceiling: one contiguous copy")]
     if any(r.get("noisy") for r in chosen):
@@ -131,12 +133,14 @@ def transfer_ratios(rows: Sequence[dict], model: str, tokens: int, block_ids: st
 @paper_figure
 def bandwidth_vs_tokens(rows: Sequence[dict], model: str, method: str, block_ids: str = "scattered",
                         width: str | float = DEFAULT_WIDTH, hardware: str | None = None) -> plt.Figure:
-    """GB/s against tokens moved for each layout, with the ceiling measured beside it, on one
-    machine (``hardware``, default the first in ``rows``)."""
-    chosen, hardware = _one_machine(_ok(rows, model=model, method=method, block_ids=block_ids, target="host"),
+    """GB/s against tokens moved for each layout, ticks at the token counts measured, and the
+    copy ceiling measured beside each layout: its median over the layouts (dotted) and their
+    range (shaded), from one run (the newest of ``hardware``, default the newest in ``rows``)."""
+    chosen, hardware = _one_machine(ok_rows(rows, model=model, method=method, block_ids=block_ids, target="host"),
                                     hardware)
     fig, axes = panels(2, width, 2.2, sharey=True)
     layouts = list(dict.fromkeys(r["layout"] for r in chosen))
+    counts = sorted({r["tokens"] for r in chosen})
     for ax, direction in zip(axes, ("offload", "load")):
         picked = [r for r in chosen if r["direction"] == direction]
         for k, layout in enumerate(layouts):
@@ -144,15 +148,22 @@ def bandwidth_vs_tokens(rows: Sequence[dict], model: str, method: str, block_ids
             if line:
                 ax.plot(*zip(*line), marker=MARKERS[k % len(MARKERS)], label=layout,
                         color=f"C{k % 8}")
-        ceiling = sorted({(r["tokens"], r["ceiling_gbps"]) for r in picked})
-        if ceiling:
-            ax.plot(*zip(*ceiling), ls=":", color="black", label="ceiling (same run)")
+        ceilings = [(n, [r["ceiling_gbps"] for r in picked if r["tokens"] == n]) for n in counts]
+        ceilings = [(n, values) for n, values in ceilings if values]
+        if ceilings:
+            ax.fill_between([n for n, _ in ceilings], [min(v) for _, v in ceilings], [max(v) for _, v in ceilings],
+                            color=LIGHT_GREY, lw=0, zorder=0)
+            ax.plot([n for n, _ in ceilings], [float(np.median(v)) for _, v in ceilings], ls=":", color="black",
+                    label=wrap("ceiling, same run (median; shaded: range over layouts)", figure_width(width) / 2))
         ax.set_xscale("log", base=2)
+        ax.set_xticks(counts, [f"{n:,}" for n in counts])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        ax.set_ylim(bottom=0)
         ax.set_xlabel("tokens moved")
         ax.set_ylabel("GB/s")
         ax.set_title(direction)
     unique_legend(fig, axes, loc="outside lower center", title=short_hardware(hardware),
-                  ncols=_legend_columns(figure_width(width), len(layouts) + 1))
+                  ncols=_legend_columns(figure_width(width), len(layouts) + 1, 1.4))
     title(fig, f"{model_name(model)}, method {method}, {block_ids} blocks")
     return fig
 
@@ -162,35 +173,36 @@ DIRECTION_MARKERS = {"offload": "o", "load": "^"}
 
 @paper_figure
 def cost_model_figure(predicted: Sequence[dict], width: str | float = DEFAULT_WIDTH) -> plt.Figure:
-    """Predicted against measured time for every row (colour: the method, marker: the
-    direction, hollow: a second machine); the diagonal is a perfect model, and each method's
-    legend entry says how far off the model is: the median (mean) |relative error| of its rows."""
+    """Predicted against measured time for every row of one run (the newest in ``predicted``;
+    colour: the method, marker: the direction); the diagonal is a perfect model, and each
+    method's legend entry says how far off the model is: the median (mean) |relative error|
+    of its rows."""
     inches = figure_width(width)
     wide = inches >= 5
+    predicted = newest_run(predicted)
     fig, ax = plt.subplots(figsize=(inches, 3.6), layout="constrained")
-    machines = list(dict.fromkeys(r.get("hardware") for r in predicted))
-    for hardware, method in dict.fromkeys((r.get("hardware"), r["method"]) for r in predicted):
-        rows = [r for r in predicted if r.get("hardware") == hardware and r["method"] == method]
+    for method in dict.fromkeys(r["method"] for r in predicted):
+        rows = [r for r in predicted if r["method"] == method]
         errors = [100 * abs(r["error"]) for r in rows]
-        label = with_hardware(f"{method} {np.median(errors):.0f}% ({np.mean(errors):.0f}%)", hardware, machines)
+        label = f"{method} {np.median(errors):.0f}% ({np.mean(errors):.0f}%)"
         colour = method_colour(method)
         for direction, marker in DIRECTION_MARKERS.items():
             picked = [r for r in rows if r["direction"] == direction]
             ax.scatter([r["seconds"] * 1e3 for r in picked], [r["predicted_s"] * 1e3 for r in picked], s=10,
-                       marker=marker, facecolors="none" if machines.index(hardware) else colour, edgecolors=colour,
-                       alpha=0.8, linewidths=0.8, label=label)
+                       marker=marker, color=colour, alpha=0.8, linewidths=0.8, label=label)
     for direction, marker in DIRECTION_MARKERS.items():  # the markers' key
         ax.scatter([], [], s=10, marker=marker, color=GREY, label=direction)
     low, high = ax.get_xlim()
     ax.plot([low, high], [low, high], color="black", lw=0.8, label="perfect model")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    for axis in (ax.xaxis, ax.yaxis):
+        plain_log_ticks(axis)
     ax.set_xlabel("measured (ms)")
     ax.set_ylabel("predicted (ms)")
-    machine = machine_title(machines)
+    machine = short_hardware(predicted[0].get("hardware"))
     unique_legend(fig, [ax], loc="outside right upper" if wide else "outside lower center",
-                  title=(f"{machine}\n" if machine else "") + "|error|: median (mean)",
-                  ncols=1 if wide else _legend_columns(inches, 9, 1.5))
+                  title=f"{machine}\n|error|: median (mean)", ncols=1 if wide else _legend_columns(inches, 9, 1.5))
     ax.set_title(wrap("model: time = segments × cost per segment + bytes / bandwidth", inches - 0.4))
     return fig
 
@@ -199,89 +211,100 @@ def cost_model_figure(predicted: Sequence[dict], width: str | float = DEFAULT_WI
 def break_even_figure(fits: Sequence, num_layers: int, tolerance: float = 0.1,
                       width: str | float = DEFAULT_WIDTH) -> plt.Figure:
     """Per-layer over cross-layer time against the per-layer segment size, per fitted model
-    (kvlab.experiments.costmodel.CostFit): colour the method, dashes the direction, markers
-    the machine where there are several."""
+    (kvlab.experiments.costmodel.CostFit) of one machine (fits of several are refused: whose
+    threshold is whose would be a guess): colour the method, dashes the direction (one line
+    for both where they agree within 3%, so neither hides the other), a vertical line where
+    per-layer comes within ``tolerance`` of cross-layer."""
+    machines = list(dict.fromkeys(f.hardware for f in fits))
+    if len(machines) > 1:
+        raise ValueError(f"fits of {len(machines)} machines ({machines}): a break-even figure draws one machine's; "
+                         f"pass the fits of the run it shows")
     inches = figure_width(width)
     sizes = np.logspace(10, 24, 60, base=2)
-    machines = list(dict.fromkeys(f.hardware for f in fits))
-    columns = _legend_columns(inches, len(fits), 1.6 if len(machines) == 1 else 3.2)
+    columns = _legend_columns(inches, len(fits), 1.5)
     fig, ax = plt.subplots(figsize=(inches, max(2.6, 1.9 + 0.18 * -(-len(fits) // columns))), layout="constrained")
-    for f in fits:
-        ratio = [f.predict(1 / s, 1) / f.predict(1 / (num_layers * s), 1) for s in sizes]
-        line, = ax.plot(sizes, ratio, label=with_hardware(f"{f.method} {f.direction}", f.hardware, machines),
-                        color=method_colour(f.method), ls=DIRECTION_STYLES.get(f.direction, ":"),
-                        marker=MARKERS[machines.index(f.hardware) % len(MARKERS)] if len(machines) > 1 else None,
-                        markevery=(3, 8), ms=3)
-        even = f.break_even_segment_bytes(num_layers, tolerance)
-        if even:
-            ax.axvline(even, color=line.get_color(), lw=0.6, ls=line.get_linestyle())
+    ratios = {f: np.array([f.predict(1 / s, 1) / f.predict(1 / (num_layers * s), 1) for s in sizes]) for f in fits}
+    for method in dict.fromkeys(f.method for f in fits):
+        mine = [f for f in fits if f.method == method]
+        alike = len(mine) > 1 and all(np.allclose(ratios[f], ratios[mine[0]], rtol=0.03) for f in mine)
+        for f in mine[:1] if alike else mine:
+            label = f"{method} ({' ≈ '.join(g.direction for g in mine)})" if alike else f"{method} {f.direction}"
+            ax.plot(sizes, ratios[f], label=label, color=method_colour(method),
+                    ls="-" if alike else DIRECTION_STYLES.get(f.direction, ":"))
+        for f in mine:
+            even = f.break_even_segment_bytes(num_layers, tolerance)
+            if even:
+                ax.axvline(even, color=method_colour(method), lw=0.6,
+                           ls="-" if alike else DIRECTION_STYLES.get(f.direction, ":"))
     ax.axhline(1 + tolerance, color="black", lw=0.6, ls=":")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    plain_log_ticks(ax.yaxis)
     ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(base=4 if inches >= 5 else 16))  # sizes that fit
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: human_bytes(v)))
     ax.set_xlabel(wrap("per-layer segment size (cross-layer segments are L times larger)", inches - 0.6))
     ax.set_ylabel("per-layer /\ncross-layer time")
     ax.set_title(wrap(f"{num_layers} layers; vertical lines: per-layer within {tolerance:.0%} of cross-layer",
                       inches - 0.6))
-    unique_legend(fig, [ax], loc="outside lower center", title=machine_title(machines), ncols=columns)
+    unique_legend(fig, [ax], loc="outside lower center", title=short_hardware(machines[0]) if machines else None,
+                  ncols=columns)
     return fig
 
 
 @paper_figure
 def layerwise_figure(rows: Sequence[dict], width: str | float = DEFAULT_WIDTH) -> plt.Figure:
-    """Speed-up of layer-by-layer loading overlapped with compute over load-then-compute."""
+    """Speed-up of layer-by-layer loading overlapped with compute over load-then-compute, from
+    one run (the newest in ``rows``)."""
     inches = figure_width(width)
+    rows = newest_run(rows)
     fig, ax = plt.subplots(figsize=(inches, 2.6), layout="constrained")
-    series = list(dict.fromkeys((r["hardware"], r["model"], r["tokens"]) for r in rows))
-    machines = [hardware for hardware, _, _ in series]
+    series = list(dict.fromkeys((r["model"], r["tokens"]) for r in rows))
     for k, key in enumerate(series):
         picked = sorted((r["intensity"], r["speedup"], r["ideal_speedup"]) for r in rows
-                        if (r["hardware"], r["model"], r["tokens"]) == key)
+                        if (r["model"], r["tokens"]) == key)
         x, speedup, ideal = zip(*picked)
-        label = with_hardware(f"{model_name(key[1])}, {key[2]} tokens", key[0], machines)
-        line, = ax.plot(x, speedup, marker="o", label=label, color=f"C{k % 8}")
+        line, = ax.plot(x, speedup, marker="o", label=f"{model_name(key[0])}, {key[1]} tokens", color=f"C{k % 8}")
         ax.plot(x, ideal, ls=":", color=line.get_color())
     ax.axhline(1, color="black", lw=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("compute per layer / load per layer")
     ax.set_ylabel("speed-up over\nload-then-compute")
     ax.set_title("layerwise loading (dotted: perfect overlap)")
-    unique_legend(fig, [ax], loc="outside lower center", title=machine_title(machines),
+    unique_legend(fig, [ax], loc="outside lower center", title=short_hardware(rows[0].get("hardware")),
                   ncols=_legend_columns(inches, len(series), 2.4))
     return fig
 
 
 @paper_figure
 def hardware_figure(rows: Sequence[dict], model: str, tokens: int, width: str | float = DEFAULT_WIDTH) -> plt.Figure:
-    """Per-layer against cross-layer on every machine with results: the best method's share of
-    that machine's ceiling (hatched: loads), each row of bars labelled with its machine."""
+    """Per-layer against cross-layer on every machine with results, compared by design: the
+    best method's share of that machine's own ceiling, offload and load in a panel each, each
+    bar naming its layout, method and GB/s."""
     inches = figure_width(width)
-    chosen = _ok(rows, model=model, tokens=tokens, block_ids="scattered", target="host")
+    chosen = ok_rows(rows, model=model, tokens=tokens, block_ids="scattered", target="host")
     machines = list(dict.fromkeys(r["hardware"] for r in chosen))
-    fig, ax = plt.subplots(figsize=(inches, 1.2 + 1.1 * max(len(machines), 1)), layout="constrained")
-    bars = [("per-layer", False, "offload"), ("per-layer", False, "load"), ("cross-layer", True, "offload"),
-            ("cross-layer", True, "load")]
+    fig, axes = panels(2, width, 0.9 + 0.75 * max(len(machines), 1), sharey=True, min_panel_width=3)
     longest = 1.0
-    for i, machine in enumerate(machines):
-        for j, (name, cross, direction) in enumerate(bars):
-            picked = [r for r in chosen if r["hardware"] == machine and r["cross_layer"] == cross
-                      and r["direction"] == direction]
-            if picked:
-                best = max(picked, key=lambda r: r["ratio"])
-                longest = max(longest, best["ratio"])
-                y = i + j * 0.2
-                ax.barh(y, best["ratio"], 0.18, color=CROSS_LAYER if cross else PER_LAYER,
-                        hatch="//" if direction == "load" else None, edgecolor="white", linewidth=0.3,
-                        label=f"{name} {direction}")
-                ax.text(0.01, y, f"{best['layout']} {best['method']}, {best['gbps']:.1f} GB/s", va="center",
-                        fontsize=SMALL)
-    ax.set_yticks([i + 0.3 for i in range(len(machines))],
-                  [wrap(short_hardware(m), inches / 4, SMALL) for m in machines])
-    ax.invert_yaxis()
-    ax.axvline(1, color="black", lw=0.8, ls="--")
-    ax.set_xlim(0, 1.05 * longest)
-    ax.set_xlabel(wrap("best method's share of the machine's own copy ceiling", inches - 1.2))
-    title(fig, f"{model_name(model)}: {tokens} tokens, scattered blocks")
-    unique_legend(fig, [ax], loc="outside lower center", ncols=_legend_columns(inches, 4, 1.5))
+    for ax, direction in zip(axes, ("offload", "load")):
+        for i, machine in enumerate(machines):
+            for j, (name, cross) in enumerate((("per-layer", False), ("cross-layer", True))):
+                picked = [r for r in chosen if r["hardware"] == machine and r["cross_layer"] == cross
+                          and r["direction"] == direction]
+                if picked:
+                    best = max(picked, key=lambda r: r["ratio"])
+                    longest = max(longest, best["ratio"])
+                    colour = CROSS_LAYER if cross else PER_LAYER
+                    y = i + (j - 0.5) * 0.4
+                    ax.barh(y, best["ratio"], 0.36, color=colour, label=name)
+                    ax.text(0.02, y, f"{best['layout']} {best['method']}, {best['gbps']:.1f} GB/s", va="center",
+                            fontsize=SMALL, color=ink(colour))
+        ax.axvline(1, color="black", lw=0.8, ls="--")
+        ax.set_title(f"{direction}")
+        ax.set_xlabel(wrap("share of the machine's own copy ceiling", 2.6))
+    for ax in axes:
+        ax.set_xlim(0, 1.05 * longest)
+    axes[0].set_yticks(range(len(machines)), [wrap(short_hardware(m), inches / 4, SMALL) for m in machines])
+    axes[0].invert_yaxis()
+    title(fig, f"{model_name(model)}: {tokens} tokens, scattered blocks; bars: the best method of each")
+    unique_legend(fig, axes, loc="outside lower center", ncols=2)
     return fig

@@ -33,16 +33,20 @@ def browser_missing() -> str | None:
 
 
 @contextmanager
-def headless_chromium() -> Iterator[Browser]:
+def headless_chromium(overlay_scrollbars: bool = False) -> Iterator[Browser]:
     """``with headless_chromium() as browser: page = browser.new_page()``; closes the
-    browser and Playwright on exit. Raises BrowserUnavailable when it cannot start."""
+    browser and Playwright on exit. Raises BrowserUnavailable when it cannot start. With
+    ``overlay_scrollbars``, pages scroll as on macOS by default: a scrollbar drawn over the
+    content and hidden until used (a headless browser otherwise draws none at all)."""
     missing = browser_missing()
     if missing:
         raise BrowserUnavailable(missing)
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        overlay = {"args": [*CHROMIUM_ARGS, "--enable-features=OverlayScrollbar"],
+                   "ignore_default_args": ["--hide-scrollbars"]} if overlay_scrollbars else {"args": CHROMIUM_ARGS}
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), **overlay)
         try:
             yield browser
         finally:

@@ -49,6 +49,8 @@ class LayerwiseLoad:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.work_seconds = 0.0  # issuing (on a CPU: doing) every copy
+        # per layer, when its copies began and ended (time.perf_counter; on an accelerator: were issued)
+        self.layer_spans: list[tuple[float, float] | None] = [None] * len(self.transfers)
 
     def start(self) -> LayerwiseLoad:
         for done in self._done:
@@ -57,10 +59,13 @@ class LayerwiseLoad:
         def issue() -> None:
             start = time.perf_counter()
             try:
-                for layer, done in zip(self.transfers, self._done):
+                for i, (layer, done) in enumerate(zip(self.transfers, self._done)):
+                    began = time.perf_counter()
                     for transfer in layer:
                         transfer.run()
-                    self.work_seconds = time.perf_counter() - start
+                    ended = time.perf_counter()
+                    self.layer_spans[i] = (began, ended)
+                    self.work_seconds = ended - start
                     done.set()
             except BaseException as error:  # surfaced by wait()
                 self._error = error

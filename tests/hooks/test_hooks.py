@@ -156,10 +156,15 @@ def test_trace_records_each_layer_in_order_and_waits_before_attention():
     with hooks.LayerTrace() as trace, offloader.step(plan):
         stack(continuation, cache, BLOCKS, start=10, connector=offloader)
     rows = trace.rows()
+    hooked = [r for r in rows if r["event"] != "load"]
     expected = [(layer_name(i), e) for i in range(geometry.num_layers) for e in ("load_wait", "attention", "save")]
-    assert [(r["layer"], r["event"]) for r in rows] == expected
+    assert [(r["layer"], r["event"]) for r in hooked] == expected
     assert all(0 <= r["start"] <= r["end"] for r in rows)
-    assert all(a["end"] <= b["start"] for a, b in zip(rows, rows[1:]))
+    assert all(a["end"] <= b["start"] for a, b in zip(hooked, hooked[1:]))
+    # each layer's load, copied by the loading thread, in layer order and in place before its wait ends
+    loads = {r["layer"]: r for r in rows if r["event"] == "load"}
+    assert list(loads) == [layer_name(i) for i in range(geometry.num_layers)]
+    assert all(loads[r["layer"]]["end"] <= r["end"] for r in hooked if r["event"] == "load_wait")
     # without a connector only attention is traced, and nothing outside the trace is
     with hooks.LayerTrace() as plain:
         stack(continuation, cache, BLOCKS, start=10)
@@ -188,7 +193,7 @@ def test_timeline_figure_builds():
     fig = hooks_timeline(rows, "tiny")
     ax = fig.axes[0]
     assert [t.get_text() for t in ax.get_yticklabels()] == ["layer 0", "layer 1", "layer 2"]
-    assert len(ax.collections) >= 3 and ax.get_legend() is not None
+    assert len(ax.collections) >= 3 and fig.legends
 
 
 def test_vllm_path_is_a_noop_without_a_group_and_drives_an_active_one(monkeypatch):

@@ -9,7 +9,7 @@ from kvlab.cache import preset
 from kvlab.experiments import costmodel, gpu_costmodel
 from kvlab.experiments.published import OWN_SOURCE, load_published
 from kvlab.plotting import answer_markdown, citations, fit_markdown
-from kvlab.plotting.common import provenance
+from kvlab.plotting.saving import provenance
 from kvlab.results import committed_results_dir, load_results
 
 ROWS = load_published()

@@ -29,7 +29,8 @@ def test_memory_map_mla_and_bad_colour():
 def test_segment_scaling(tmp_path):
     rows = sweep(["LBHNC", "BLHNC"], preset("qwen3-8b"), [16, 64, 256], [16, 32])
     fig = segment_scaling(rows, "qwen3")
-    assert len(fig.axes[0].lines) == 4
+    assert [ax.get_title() for ax in fig.axes if ax.get_title()] == ["block size 16", "block size 32"]
+    assert all(len(ax.lines) == 2 for ax in fig.axes)  # a line per layout in each panel
 
 
 def test_segments_by_layout():
@@ -56,18 +57,40 @@ def test_atlas_draws_every_layout():
 
     names = [n for n, layout in LAYOUTS.items() if layout.requires is not Holds.MLA]
     fig = atlas(names, miniature(preset("llama-3.1-8b")), columns=6)
-    assert sum(1 for ax in fig.axes if ax.get_title()) == len(names)
+    drawn = [ax.get_xlabel().replace("\n", " ") for ax in fig.axes if ax.images]
+    assert sorted(name for labels in drawn for name in labels.split(", ")) == sorted(names)
+    assert len(drawn) < len(names)  # layouts drawing the same map share it
 
 
 def test_a_figure_names_the_machines_and_profiles_it_shows(tmp_path):
     import pandas as pd
 
-    from kvlab.plotting.common import provenance
+    from kvlab.plotting.saving import provenance
 
     rows = [{"hardware": "cpu: A (2 cores)", "profile": "standard"}, {"hardware": "cpu: A (2 cores)", "profile": "standard"},
             {"hardware": "cuda: H200", "profile": "paper"}]
     assert provenance(rows) == "measured on cpu: A (2 cores), standard profile; cuda: H200, paper profile"
     assert provenance(pd.DataFrame(rows)) == provenance(rows)
     fig = segment_scaling(sweep(["BLHNC"], preset("llama-3.1-8b"), [16], [16]), "t")
-    save_figure(fig, "f", tmp_path, formats=("png",), source=rows)
+    save_figure(fig, "f", tmp_path, formats=("png",), source=rows, compares_machines=True)
     assert [t.get_text() for t in fig.texts if "profile" in t.get_text()] == [provenance(rows)]
+
+
+def test_in_a_notebook_a_saved_figure_is_shown_with_its_caption_and_alt_text(tmp_path, monkeypatch):
+    """The report (kvlab.plotting.report) puts them under the image and in its alt attribute."""
+    import IPython.display
+
+    from kvlab.plotting import saving
+
+    shown = []
+    monkeypatch.setattr(saving, "shown_in_a_notebook", lambda: True)
+    monkeypatch.setattr(IPython.display, "display", lambda figure, metadata=None: shown.append((figure, metadata)))
+    fig = segment_scaling(sweep(["BLHNC"], preset("llama-3.1-8b"), [16, 64], [16]), "Llama-3.1-8B, scattered blocks")
+    save_figure(fig, "segments", tmp_path, formats=("png",), source=[{"hardware": "cpu: A (2 cores)",
+                                                                     "profile": "standard"}])
+    ((figure, metadata),) = shown
+    described = metadata["image/png"]
+    assert figure is fig
+    assert described["caption"] == "Llama-3.1-8B, scattered blocks. Measured on cpu: A (2 cores), standard profile."
+    assert described["alt"].startswith("Figure segments: Llama-3.1-8B, scattered blocks.")
+    assert "x: tokens moved" in described["alt"] and "Legend: BLHNC." in described["alt"]

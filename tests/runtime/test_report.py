@@ -157,3 +157,69 @@ def test_report_in_a_browser(report, tmp_path):
     assert unresolved == []
     assert errors == 0
     assert problems == []
+
+
+def test_every_image_of_the_committed_report_has_a_caption_and_alt_text(report):
+    """Each figure a notebook saves is shown with the caption and alt text save_figure gave
+    it, never nbconvert's "No description has been provided for this image"."""
+    page = BeautifulSoup(report.read_text(), "html.parser")
+    images = page.select(".jp-RenderedImage img")
+    assert images
+    for img in images:
+        assert img.get("alt") and "No description" not in img["alt"] and "without a description" not in img["alt"]
+        caption = img.find_parent("figure").find("figcaption")
+        assert caption is not None and caption.get_text(strip=True)
+
+
+def _image_cell(metadata: dict, count: int = 2):
+    import nbformat
+
+    return nbformat.v4.new_code_cell('save_figure(fig, "x", figures_dir);', execution_count=count, outputs=[
+        nbformat.v4.new_output("display_data", data={"image/png": "iVBORw0KGgo=", "text/plain": "<Figure>"},
+                               metadata=metadata)])
+
+
+def test_an_image_is_a_figure_with_its_recorded_caption_and_alt_text(tmp_path):
+    described = _image_cell({"image/png": {"alt": "Figure x: dots against time.", "caption": "Time, measured."}})
+    page = BeautifulSoup(write_report(_executed(tmp_path, described), tmp_path / "out").read_text(), "html.parser")
+    (img,) = page.select(".jp-RenderedImage img")
+    assert img["alt"] == "Figure x: dots against time."
+    assert img.find_parent("figure").figcaption.get_text() == "Time, measured."
+    assert not page.select(".kvlab-errors")
+
+
+def test_an_image_without_a_description_is_named_at_the_top(tmp_path):
+    page = BeautifulSoup(write_report(_executed(tmp_path, _image_cell({}, 7)), tmp_path / "out").read_text(),
+                         "html.parser")
+    assert "1 image(s) without a description" in page.select_one(".kvlab-errors").get_text()
+    assert "In [7]" in page.select_one(".jp-RenderedImage img")["alt"]
+
+
+@pytest.mark.slow
+def test_a_wide_table_scrolls_instead_of_being_cut_off(tmp_path):
+    """A table wider than the page scrolls within its output, behind a scrollbar a reader
+    sees: with overlay scrollbars (macOS's default), one hidden until used left the table
+    looking cut off at the page's edge."""
+    import nbformat
+
+    from kvlab.runtime.browser import browser_missing, headless_chromium
+
+    if browser_missing():
+        pytest.skip(browser_missing())
+    columns = "".join(f"<th>a long column name {i}</th>" for i in range(40))
+    wide = nbformat.v4.new_code_cell("table", execution_count=1, outputs=[nbformat.v4.new_output(
+        "execute_result", execution_count=1, data={"text/html": f"<table class='dataframe'><tr>{columns}</tr></table>",
+                                                   "text/plain": "table"})])
+    report = write_report(_executed(tmp_path, wide), tmp_path / "out")
+    with headless_chromium(overlay_scrollbars=True) as browser:
+        page = browser.new_page(viewport={"width": 900, "height": 700})
+        assert page.goto(report.as_uri(), wait_until="load").ok
+        box = page.evaluate("""() => { const table = document.querySelector('table.dataframe');
+            const box = table.closest('.jp-OutputArea-output');
+            const shown = box.offsetHeight - box.clientHeight;  // room a drawn scrollbar takes
+            box.scrollLeft = box.scrollWidth;
+            return {scrollbar: shown, wider: box.scrollWidth > box.clientWidth,
+                    table_right: table.getBoundingClientRect().right, box_right: box.getBoundingClientRect().right,
+                    page: document.documentElement.clientWidth}; }""")
+    assert box["wider"] and box["scrollbar"] > 0, box
+    assert box["table_right"] <= box["box_right"] + 1 and box["box_right"] <= box["page"] + 1, box
