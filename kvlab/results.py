@@ -41,6 +41,21 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _vector_isa() -> str | None:
+    """The widest vector instructions this CPU has (AMX, AVX-512, AVX2), from /proc/cpuinfo:
+    a virtual machine's CPU may say only "AMD EPYC", and two such machines, one with AVX-512
+    and one without, run bf16 kernels several times apart, so a result names it."""
+    try:
+        flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("flags")), [])
+    except OSError:
+        return None
+    for flag, name in (("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2")):
+        if flag in flags:
+            return name
+    return None
+
+
 def _version(dist: str) -> str | None:
     try:
         return importlib.metadata.version(dist)
@@ -61,7 +76,8 @@ def _git_commit() -> str | None:
 
 def device_name(device: torch.device) -> str:
     if device.type == "cpu":
-        return _cpu_model()
+        isa = _vector_isa()
+        return f"{_cpu_model()}, {isa}" if isa else _cpu_model()
     return str(getattr(torch, device.type).get_device_name(device))
 
 

@@ -16,7 +16,7 @@ import numpy as np
 from kvlab.experiments.gpu_costmodel import MACHINES, QUESTION_MECHANISMS, SMALL_PAGE_BYTES
 from kvlab.experiments.published import MECHANISMS, OWN_SOURCE
 from kvlab.plotting.common import (BLACK, DEFAULT_WIDTH, GREY, PURPLE, as_records, figure_width, method_colour, model_name,
-                                   paper_figure, plural, title)
+                                   paper_figure, plain_log_ticks, plural, title)
 
 # one colour per mechanism, the colour of the kvlab method that works that way
 MECHANISM_COLOURS = {"dma_batch": method_colour("dma"), "memcpy_per_segment": method_colour("segments"),
@@ -52,7 +52,9 @@ def published_figure(evaluation: Sequence[dict[str, Any]], width: str | float = 
     |held-out error|."""
     rows = as_records(evaluation)
     inches = figure_width(width)
-    fig, grid = plt.subplots(2, 2, figsize=(inches, 4.4 if inches < 5 else 4.0), layout="constrained")
+    narrow = inches < 5  # a single column: the four panels one above the other, each the full width
+    fig, grid = plt.subplots(4 if narrow else 2, 1 if narrow else 2, figsize=(inches, 8.0 if narrow else 4.0),
+                             layout="constrained", squeeze=False)
     for ax, (label, units) in zip(grid.flat, UNIT_PANELS):
         picked = [r for r in rows if r["unit"] in units]
         for role, style in ROLE_MARKERS.items():
@@ -69,11 +71,13 @@ def published_figure(evaluation: Sequence[dict[str, Any]], width: str | float = 
         for factor in (1.25, 1 / 1.25):
             ax.plot(line, line * factor, color=GREY, lw=0.6, ls=":")
         ax.set(xscale="log", yscale="log", xlim=(low, high), ylim=(low, high))
+        plain_log_ticks(ax.xaxis)
+        plain_log_ticks(ax.yaxis)
         ax.set_title(label)
-    grid[1, 0].set_xlabel("published")
-    grid[1, 1].set_xlabel("published")
-    grid[0, 0].set_ylabel("predicted")
-    grid[1, 0].set_ylabel("predicted")
+    for ax in grid[-1]:
+        ax.set_xlabel("published")
+    for ax in grid[:, 0]:
+        ax.set_ylabel("predicted")
     held = [r for r in rows if r["role"] == "held-out"]
     keys = []
     for mechanism in MECHANISMS:
@@ -85,7 +89,7 @@ def published_figure(evaluation: Sequence[dict[str, Any]], width: str | float = 
              matplotlib.lines.Line2D([], [], ls="", marker="o", ms=4, color=GREY, label="held out")]
     if any(r["role"] == "own" for r in rows):
         keys.append(matplotlib.lines.Line2D([], [], ls="", marker="D", ms=4, color=GREY, label="kvlab's own"))
-    fig.legend(handles=keys, loc="outside lower center", ncols=max(1, min(len(keys), int(inches // 1.7))),
+    fig.legend(handles=keys, loc="outside lower center", ncols=max(2, min(len(keys), int(inches // 1.7))),
                title="median |held-out error|")
     title(fig, "Published GPU copy measurements against the model")
     return fig
@@ -118,6 +122,7 @@ def layout_question_figure(question: Sequence[dict[str, Any]], tokens: int = 819
                             label=model_name(model))
         ax.axvline(1, color="black", lw=0.8, ls="--")
         ax.set_xscale("log")
+        plain_log_ticks(ax.xaxis)
         ax.set_title(f"{machine} ({LINK_NAMES[MACHINES[machine]]})")
         ax.grid(axis="y", color="0.9", lw=0.5)
     axes.flat[0].set_yticks(range(len(QUESTION_MECHANISMS)), [MECHANISM_LABELS[m] for m in QUESTION_MECHANISMS])
