@@ -11,14 +11,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from kvlab.store.safe_paths import system_folder
 from kvlab.store.secrets import is_cluster_url, read_auth_key, redact, resolve_redis_url
 from kvlab.store.tiers import shared_tier_names, tier_names
 from kvlab.store.tiers.mooncake import parse_mooncake_url
 from kvlab.transfer.registry import METHODS
 
 CROSS_LAYER_LAYOUT = "BLHNC"
-# Folders others share, which kvlab must not take over as its shared-memory tier.
-SHARED_ROOTS = ("/", "/dev/shm", "/tmp", "/run/shm", "/var/tmp")
 STORE_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]+")
 # Where chunks can live, in the order a lookup tries them: the worker's own memory, files
 # in a host-shared memory folder, files on disk, a Redis server (kvlab.store.tiers' registry,
@@ -129,9 +128,10 @@ class ConnectorConfig:
         for name in ("disk_path", "shm_path"):  # every vLLM process must mean the same folder
             if name in extra and (not os.path.isabs(extra[name]) or "\0" in extra[name]):
                 raise ValueError(f"KVLabConnector: {name} must be an absolute path, got {extra[name]!r}")
-        if extra.get("shm_path") and os.path.realpath(extra["shm_path"]) in map(os.path.realpath, SHARED_ROOTS):
-            raise ValueError(f"KVLabConnector: shm_path must be a folder of kvlab's own (it evicts chunk files "
-                             f"there), not {extra['shm_path']!r}: e.g. /dev/shm/kvlab-<name>")
+        for name, example in (("disk_path", "/var/cache/kvlab"), ("shm_path", "/dev/shm/kvlab-<name>")):
+            if extra.get(name) and system_folder(os.path.realpath(extra[name])):
+                raise ValueError(f"KVLabConnector: {name} must be a folder of kvlab's own (it evicts chunk files "
+                                 f"there), not the system's {extra[name]!r}: e.g. {example}")
         if "store_name" in extra and not STORE_NAME.fullmatch(extra["store_name"]):
             raise ValueError(f"KVLabConnector: store_name names a folder (/dev/shm/kvlab-<store_name>): letters, "
                              f"digits, '.', '_' and '-' only, got {extra['store_name']!r}")

@@ -5,7 +5,8 @@ errors quote the URL, so a password written in the URL would end up in every log
 ``redis://127.0.0.1:6379/0?password_file=/path/to/file`` reads the password from that file
 (its first line; keep it mode 0600), ``redis://127.0.0.1:6379/0?password_env=NAME`` from the
 environment variable ``NAME``. :func:`resolve_redis_url` puts it in for ``redis.Redis.from_url``
-only; everything shown to people goes through :func:`redact`. A Redis Cluster's URL is
+only; everything shown to people goes through :func:`redact`. Files holding secrets are read as
+kvlab.store.safe_paths opens them: no other user can swap them. A Redis Cluster's URL is
 ``redis-cluster://host:port`` with the same arguments: one node is enough, the client finds
 the others (kvlab.store.tiers.redis_cluster)."""
 
@@ -13,8 +14,9 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
+
+from kvlab.store.safe_paths import read_private_file
 
 PASSWORD_FILE, PASSWORD_ENV = "password_file", "password_env"
 CLUSTER_SCHEME = "redis-cluster"
@@ -37,8 +39,8 @@ def resolve_redis_url(url: str) -> str:
     key, value = named[0]
     if key == PASSWORD_FILE:
         try:
-            with open(value, encoding="utf-8") as file:
-                password = file.readline().rstrip("\r\n")
+            password = read_private_file(value, f"redis_url: {PASSWORD_FILE} {value!r}").decode()
+            password = password.split("\n", 1)[0].rstrip("\r")
         except OSError as error:
             raise ValueError(f"redis_url: {PASSWORD_FILE} {value!r} cannot be read ({error.strerror})") from None
         except UnicodeDecodeError:
@@ -75,7 +77,7 @@ def read_auth_key(spec: str) -> bytes:
     kind, _, name = spec.partition(":")
     if kind == "file":
         try:
-            key = Path(name).read_bytes().rstrip(b"\r\n")
+            key = read_private_file(name, f"auth_key: file {name!r}").rstrip(b"\r\n")
         except OSError as error:
             raise ValueError(f"auth_key: file {name!r} cannot be read ({error.strerror})") from None
     elif kind == "env":
