@@ -9,10 +9,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from kvlab.store.safe_paths import system_folder
-from kvlab.store.secrets import is_cluster_url, read_auth_key, redact, resolve_redis_url
+from kvlab.store.secrets import check_redis_url, read_auth_key
 from kvlab.store.tiers import shared_tier_names, tier_names
 from kvlab.store.tiers.mooncake import parse_mooncake_url
 from kvlab.transfer.registry import METHODS
@@ -25,26 +24,6 @@ STORE_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]+")
 TIERS = tier_names()
 # The key bounding each tier's bytes (the Redis server bounds its own).
 BUDGETS = {"memory": "store_bytes", "shm": "shm_bytes", "disk": "disk_bytes"}
-
-
-def _check_redis_url(url: str) -> None:
-    """Raise ValueError naming redis_url (its password redacted) unless redis-py can use it and
-    the password file or variable it names holds a password."""
-    if not url.startswith(("redis://", "rediss://", "unix://", "redis-cluster://")):
-        raise ValueError(f"KVLabConnector: redis_url must start with redis://, rediss://, unix:// or "
-                         f"redis-cluster://, got {redact(url)!r}")
-    parts = urlsplit(url)
-    try:
-        parts.port
-    except ValueError:
-        raise ValueError(f"KVLabConnector: redis_url's port must be a number, got {redact(url)!r}") from None
-    if is_cluster_url(url) and (not parts.hostname or parts.path.strip("/") not in ("", "0")):
-        raise ValueError(f"KVLabConnector: redis_url redis-cluster://host:port names one node of the cluster and "
-                         f"no database (a cluster has only database 0), got {redact(url)!r}")
-    try:
-        resolve_redis_url(url)
-    except ValueError as error:
-        raise ValueError(f"KVLabConnector: {error}") from None
 
 
 def _room(tier: str, config: ConnectorConfig) -> tuple[int, str] | None:
@@ -167,7 +146,10 @@ class ConnectorConfig:
             if getattr(config, key) and tier not in tiers:
                 raise ValueError(f"KVLabConnector: {key} is only used with the {tier} tier; tiers are {list(tiers)}")
         if config.redis_url:
-            _check_redis_url(config.redis_url)
+            try:
+                check_redis_url(config.redis_url)
+            except ValueError as error:
+                raise ValueError(f"KVLabConnector: {error}") from None
         if config.mooncake_url:
             try:
                 parse_mooncake_url(config.mooncake_url)

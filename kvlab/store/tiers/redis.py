@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from kvlab.store.chunk import HEADER_PREFIX, Chunk, ForgedChunk, Header, from_bytes, header_length, to_bytes
-from kvlab.store.secrets import is_cluster_url, redact, resolve_redis_url
+from kvlab.store.secrets import check_redis_url, is_cluster_url, redact, resolve_redis_url
 from kvlab.store.tiers.backoff import Backoff
 from kvlab.store.tiers.redis_cluster import ClusterNodes, node_errors
 from kvlab.store.tiers.remote import checked_header, drop_corrupt, location
@@ -38,6 +38,7 @@ class RedisTier:
         """``auth_key``: as the disk tier's (every value carries a MAC; one without a valid one is refused)."""
         import redis
 
+        check_redis_url(url)  # redis-py's own errors would quote a URL it misreads
         self.url = redact(url)  # for messages: the password never appears in them
         self.stats = stats
         self.auth_key = auth_key
