@@ -11,7 +11,7 @@ from kvlab.store.chunk import HEADER_PREFIX, Chunk, ForgedChunk, Header, from_by
 from kvlab.store.secrets import check_redis_url, is_cluster_url, redact, resolve_redis_url
 from kvlab.store.tiers.backoff import Backoff
 from kvlab.store.tiers.redis_cluster import ClusterNodes, node_errors
-from kvlab.store.tiers.remote import checked_header, drop_corrupt, location
+from kvlab.store.tiers.remote import CALL_TIMEOUT_S, checked_header, drop_corrupt, location
 from kvlab.store.tiers.resp import BulkReader
 from kvlab.store.tiers.stats import StoreStats
 
@@ -34,7 +34,8 @@ class RedisTier:
     name, shared = "redis", True
     PREFIX = "kvlab:"
 
-    def __init__(self, url: str, stats: StoreStats, timeout_s: float = 2.0, auth_key: bytes | None = None) -> None:
+    def __init__(self, url: str, stats: StoreStats, timeout_s: float = CALL_TIMEOUT_S,
+                 auth_key: bytes | None = None) -> None:
         """``auth_key``: as the disk tier's (every value carries a MAC; one without a valid one is refused)."""
         import redis
 
