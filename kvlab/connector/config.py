@@ -24,6 +24,8 @@ STORE_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]+")
 TIERS = tier_names()
 # The key bounding each tier's bytes (the Redis server bounds its own).
 BUDGETS = {"memory": "store_bytes", "shm": "shm_bytes", "disk": "disk_bytes"}
+# The tiers a server serves to whoever reaches it: auth_key is their only check of who wrote a chunk.
+REMOTE_TIERS = ("redis", "mooncake")
 
 
 def _room(tier: str, config: ConnectorConfig) -> tuple[int, str] | None:
