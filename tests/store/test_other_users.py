@@ -159,6 +159,20 @@ def test_an_epochs_folder_behind_another_users_link_is_refused(place: Path, monk
     assert not list((target / "weights").iterdir())
 
 
+def test_a_password_folder_in_a_temporary_folder_another_user_controls_is_refused(place: Path,
+                                                                                  monkeypatch) -> None:
+    """kvlab's Redis server writes its password into a new folder of $TMPDIR: one another user
+    owns (they could rename it away and read or choose the password) is refused."""
+    from kvlab.runtime.redis import new_password_folder
+
+    as_nobody("mkdir", "-m", "755", str(place / "shared" / "theirs"))
+    monkeypatch.setattr(tempfile, "tempdir", str(place / "shared" / "theirs"))
+    with pytest.raises(ValueError, match=rf"theirs on its way is owned by uid {NOBODY}"):
+        new_password_folder()
+    monkeypatch.setattr(tempfile, "tempdir", str(place / "shared"))
+    assert (new_password_folder() / "password").stat().st_mode & 0o777 == 0o600
+
+
 # ---- 5: secret files -------------------------------------------------------------------------------
 @pytest.mark.parametrize("how", ["their folder", "their file", "their link"])
 def test_a_secret_another_user_could_swap_is_refused(place: Path, how: str) -> None:
