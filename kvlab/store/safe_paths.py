@@ -158,7 +158,8 @@ def _walk(path: Path, what: str, create: bool, flags: int) -> tuple[int, str]:
                 raise ValueError(f"{what}: {'/' + '/'.join(names)} on its way is owned by uid {found.st_uid} with "
                                  f"mode {found.st_mode & 0o7777:04o}, so another user could rename or replace "
                                  f"what lies below it; every folder above must be root's or this user's (uid "
-                                 f"{os.geteuid()}) and writable by no one else, or sticky (as /tmp): choose another path")
+                                 f"{os.geteuid()}) and writable by no one else, or sticky (as /tmp): choose another "
+                                 "path")
             last = not pending
             try:
                 fd = os.open(name, flags if last else FOLDER_FLAGS, dir_fd=parent)

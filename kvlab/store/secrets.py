@@ -25,7 +25,9 @@ REDIS_SCHEMES = ("redis://", "rediss://", "unix://", CLUSTER_SCHEME + "://")
 _SCHEME = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://")
 # where a URL's user information may end: an '@' before a host (and port) that ends the URL, or
 # is followed by its path, query or fragment (or, in a message, a quote, a space, a bracket)
-_HOST_AFTER = re.compile(r"@(?:\[[0-9A-Fa-f:.]*\]|[^\s/?#@'\"()\[\],;:]*)(?::[^\s/?#@'\"()\[\],;]*)?(?=[/?#\s'\"),;]|$)")
+_HOST_AFTER = re.compile(r"@(?:\[[0-9A-Fa-f:.]*\]|[^\s/?#@'\"()\[\],;:]*)"  # a host, [IPv6] or a name
+                         r"(?::[^\s/?#@'\"()\[\],;]*)?"  # a port (any text: a bad one is still a port)
+                         r"(?=[/?#\s'\"),;]|$)")
 _QUERY_PASSWORD = re.compile(r"[?&]password=")
 
 
