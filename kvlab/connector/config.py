@@ -9,16 +9,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
-from kvlab.store.secrets import is_cluster_url, read_auth_key, redact, resolve_redis_url
+from kvlab.store.safe_paths import system_folder
+from kvlab.store.secrets import check_redis_url, read_auth_key
 from kvlab.store.tiers import shared_tier_names, tier_names
 from kvlab.store.tiers.mooncake import parse_mooncake_url
 from kvlab.transfer.registry import METHODS
 
 CROSS_LAYER_LAYOUT = "BLHNC"
-# Folders others share, which kvlab must not take over as its shared-memory tier.
-SHARED_ROOTS = ("/", "/dev/shm", "/tmp", "/run/shm", "/var/tmp")
 STORE_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]+")
 # Where chunks can live, in the order a lookup tries them: the worker's own memory, files
 # in a host-shared memory folder, files on disk, a Redis server (kvlab.store.tiers' registry,
@@ -26,26 +24,8 @@ STORE_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]+")
 TIERS = tier_names()
 # The key bounding each tier's bytes (the Redis server bounds its own).
 BUDGETS = {"memory": "store_bytes", "shm": "shm_bytes", "disk": "disk_bytes"}
-
-
-def _check_redis_url(url: str) -> None:
-    """Raise ValueError naming redis_url (its password redacted) unless redis-py can use it and
-    the password file or variable it names holds a password."""
-    if not url.startswith(("redis://", "rediss://", "unix://", "redis-cluster://")):
-        raise ValueError(f"KVLabConnector: redis_url must start with redis://, rediss://, unix:// or "
-                         f"redis-cluster://, got {redact(url)!r}")
-    parts = urlsplit(url)
-    try:
-        parts.port
-    except ValueError:
-        raise ValueError(f"KVLabConnector: redis_url's port must be a number, got {redact(url)!r}") from None
-    if is_cluster_url(url) and (not parts.hostname or parts.path.strip("/") not in ("", "0")):
-        raise ValueError(f"KVLabConnector: redis_url redis-cluster://host:port names one node of the cluster and "
-                         f"no database (a cluster has only database 0), got {redact(url)!r}")
-    try:
-        resolve_redis_url(url)
-    except ValueError as error:
-        raise ValueError(f"KVLabConnector: {error}") from None
+# The tiers a server serves to whoever reaches it: auth_key is their only check of who wrote a chunk.
+REMOTE_TIERS = ("redis", "mooncake")
 
 
 def _room(tier: str, config: ConnectorConfig) -> tuple[int, str] | None:
@@ -129,9 +109,10 @@ class ConnectorConfig:
         for name in ("disk_path", "shm_path"):  # every vLLM process must mean the same folder
             if name in extra and (not os.path.isabs(extra[name]) or "\0" in extra[name]):
                 raise ValueError(f"KVLabConnector: {name} must be an absolute path, got {extra[name]!r}")
-        if extra.get("shm_path") and os.path.realpath(extra["shm_path"]) in map(os.path.realpath, SHARED_ROOTS):
-            raise ValueError(f"KVLabConnector: shm_path must be a folder of kvlab's own (it evicts chunk files "
-                             f"there), not {extra['shm_path']!r}: e.g. /dev/shm/kvlab-<name>")
+        for name, example in (("disk_path", "/var/cache/kvlab"), ("shm_path", "/dev/shm/kvlab-<name>")):
+            if extra.get(name) and system_folder(os.path.realpath(extra[name])):
+                raise ValueError(f"KVLabConnector: {name} must be a folder of kvlab's own (it evicts chunk files "
+                                 f"there), not the system's {extra[name]!r}: e.g. {example}")
         if "store_name" in extra and not STORE_NAME.fullmatch(extra["store_name"]):
             raise ValueError(f"KVLabConnector: store_name names a folder (/dev/shm/kvlab-<store_name>): letters, "
                              f"digits, '.', '_' and '-' only, got {extra['store_name']!r}")
@@ -167,7 +148,10 @@ class ConnectorConfig:
             if getattr(config, key) and tier not in tiers:
                 raise ValueError(f"KVLabConnector: {key} is only used with the {tier} tier; tiers are {list(tiers)}")
         if config.redis_url:
-            _check_redis_url(config.redis_url)
+            try:
+                check_redis_url(config.redis_url)
+            except ValueError as error:
+                raise ValueError(f"KVLabConnector: {error}") from None
         if config.mooncake_url:
             try:
                 parse_mooncake_url(config.mooncake_url)

@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from kvlab.cache.allocation import adopt, layer_name, view_parts
 from kvlab.cache.layouts import CPU_ATTN_LAYOUTS, LAYOUTS, VLLM_V29_LAYOUTS, Holds, compatible_layouts
-from kvlab.connector.config import CROSS_LAYER_LAYOUT, ConnectorConfig
+from kvlab.connector.config import CROSS_LAYER_LAYOUT, REMOTE_TIERS, ConnectorConfig
 from kvlab.connector.geometry import engine_geometry, on_cpu, uses_mla
 from kvlab.connector.messages import KVLabMetadata, KVLabWorkerMeta
 from kvlab.connector.metrics import SCHEDULER_COUNTERS, WORKER_COUNTERS, CounterDeltas, KVLabPromMetrics, KVLabStats
@@ -75,6 +75,12 @@ class KVLabConnector(KVConnectorBase_V1):
                 logger.warning("KVLabConnector: kv_load_failure_policy is %r: a chunk that fails its check "
                                "when a worker loads it fails its request; 'recompute' recomputes it instead",
                                self._kv_transfer_config.kv_load_failure_policy)
+            remote = [tier for tier in self.config.tier_names if tier in REMOTE_TIERS]
+            if remote and self.config.auth_key is None:
+                logger.warning("KVLabConnector: the %s tier takes chunks from every client that reaches its "
+                               "server (Mooncake has no authentication; Redis: whoever has the password) and "
+                               "loads any whose checksum holds; set auth_key (\"file:/path\", a key the "
+                               "deployment's hosts share: docs/reliability.md)", " and ".join(remote))
         else:
             self.worker = WorkerSide(self.config, self._stats, self._kv_transfer_config.engine_id)
 

@@ -13,36 +13,38 @@ weights keep their hits. Imports vLLM only to watch its weight loads."""
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import tempfile
-from pathlib import Path
 
-from kvlab.store.tiers import own_folder
+from kvlab.store.safe_paths import Folder, open_folder
 
 # The epoch an engine runs before any weight load: the folder's weights.
 START_EPOCH = ""
 
 
-def _epochs_folder() -> Path:
-    """A folder of this user's alone: another user must not be able to set an epoch."""
-    folder = Path(tempfile.gettempdir()) / f"kvlab-{os.geteuid()}" / "weights"
-    for path in (folder.parent, folder):  # whoever can write the parent can swap the folder
-        own_folder(path, f"KVLabConnector's weights epochs folder {path}")
-    return folder
+@functools.cache
+def _epochs_folder(temporary: str) -> Folder:
+    """A folder of this user's alone, opened once per process and held (kvlab.store.safe_paths):
+    another user must not be able to set an epoch, nor redirect the folder to one they can."""
+    folder = os.path.join(temporary, f"kvlab-{os.geteuid()}", "weights")
+    return open_folder(folder, f"KVLabConnector's weights epochs folder {folder}")
 
 
-def _epoch_path(engine_id: str) -> Path:
+def _epoch_file(engine_id: str) -> tuple[Folder, str]:
     safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in engine_id)[:128]
-    return _epochs_folder() / f"{safe}.epoch"
+    return _epochs_folder(tempfile.gettempdir()), f"{safe}.epoch"
 
 
 def weights_epoch(engine_id: str | None) -> str:
     """The engine's current weights epoch (START_EPOCH until weights are loaded into it)."""
     if not engine_id:
         return START_EPOCH
+    folder, name = _epoch_file(engine_id)
     try:
-        return _epoch_path(engine_id).read_text()
+        with open(folder.open(name, os.O_RDONLY), encoding="utf-8") as file:
+            return file.read()
     except FileNotFoundError:
         return START_EPOCH
 
@@ -51,17 +53,22 @@ def new_weights_epoch(engine_id: str) -> str:
     """Start a new epoch (a random token: ranks loading at once need no lock), written
     atomically."""
     epoch = secrets.token_hex(8)
-    path = _epoch_path(engine_id)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(epoch)
-    tmp.replace(path)
+    folder, name = _epoch_file(engine_id)
+    tmp = f"{name}.{os.getpid()}.tmp"
+    with open(folder.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w", encoding="utf-8") as file:
+        file.write(epoch)
+    folder.replace(tmp, name)
     return epoch
 
 
 def forget_epoch(engine_id: str | None) -> None:
     """Remove an engine's epoch file (at shutdown)."""
     if engine_id:
-        _epoch_path(engine_id).unlink(missing_ok=True)
+        folder, name = _epoch_file(engine_id)
+        try:
+            folder.unlink(name)
+        except FileNotFoundError:
+            pass
 
 
 def _new_epoch_after(method):

@@ -230,18 +230,25 @@ def worker_memory(model: str, ids: list[int], prompts: int = 400, store_bytes: i
 
 def integrity_costs(nbytes: int = 12 << 20, repeats: int = 40) -> dict[str, Any]:
     """Seconds and GB/s of the chunk checks over ``nbytes`` of payload, one thread, best and
-    median of ``repeats``: CRC32C (every shared read) and HMAC-SHA256 (with ``auth_key``)."""
+    median of ``repeats``: CRC32C (every shared read) and HMAC-SHA256 (with ``auth_key``), and
+    beside them a copy of as many bytes by kvlab's STREAM-style native copy on one thread (what
+    moving the chunk costs at the memory's pace; left out where it cannot be built)."""
     import statistics
 
     import torch
 
     from kvlab.store.chunk import checksum, mac
+    from kvlab.transfer.methods.memcpy import copy_addresses, native_library
 
     if nbytes <= 0 or repeats <= 0:
         raise ValueError(f"nbytes and repeats must be positive, got {nbytes}, {repeats}")
     payload = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    target = torch.empty_like(payload)
     checks = {"crc32c": lambda: checksum([payload]),
               "hmac_sha256": lambda: mac(b"k" * 32, {"signature": "x"}, [payload.numpy().data])}
+    if not isinstance(native_library(), str):
+        run = [torch.tensor([x.data_ptr()]) for x in (payload, target)] + [torch.tensor([nbytes])]
+        checks["stream_copy"] = lambda: copy_addresses(*run, threads=1)
     out: dict[str, Any] = {"nbytes": nbytes, "repeats": repeats}
     for name, check in checks.items():
         seconds = []

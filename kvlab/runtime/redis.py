@@ -23,6 +23,7 @@ from typing import Any
 from urllib.parse import quote
 
 from kvlab.runtime.servers import HOST, ManagedServer, ServerError, check_port_free, free_port
+from kvlab.store.safe_paths import open_folder
 from kvlab.store.secrets import CLUSTER_SCHEME, PASSWORD_FILE, is_cluster_url, resolve_redis_url
 
 
@@ -123,12 +124,20 @@ class RedisServer(ManagedServer):
 
 def new_password_folder() -> Path:
     """A new random password in a new folder of mode 0700: ``password`` (for URLs) and
-    ``redis.conf`` (``requirepass``, and ``masterauth`` for a cluster's replicas), each of mode 0600."""
+    ``redis.conf`` (``requirepass``, and ``masterauth`` for a cluster's replicas), each of mode 0600.
+    The folder is checked and written as kvlab.store.safe_paths opens a store's: a ``$TMPDIR``
+    another user could rename or re-point is refused."""
     folder = Path(tempfile.mkdtemp(prefix="kvlab-redis-"))
+    try:
+        held = open_folder(folder, f"the Redis password folder {folder}", create=False)
+    except ValueError:
+        folder.rmdir()
+        raise
     password = secrets.token_urlsafe(32)
     for name, text in (("password", password), ("redis.conf", f"requirepass {password}\nmasterauth {password}")):
-        with open(os.open(folder / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as file:
+        with open(held.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "w") as file:
             file.write(text + "\n")
+    held.close()
     return folder
 
 

@@ -7,6 +7,7 @@ tests/integration/test_deployed_engines.py."""
 
 from __future__ import annotations
 
+import logging
 import pickle
 import time
 
@@ -207,3 +208,18 @@ def test_only_tensor_parallel_ranks_shard_the_keys():
                                                                                   world_size=4))) == 2
     with pytest.raises(ValueError, match="tensor parallelism only"):
         _tensor_parallel_ranks(SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=2)))
+
+
+def test_a_remote_tier_without_auth_key_is_warned_about(redis_server, tmp_path, monkeypatch, caplog):
+    """Every client that reaches a remote tier's server can write chunks there: without a key,
+    the engine says so once at start-up (the scheduler side), and not with one."""
+    with caplog.at_level(logging.WARNING, logger="kvlab.connector"):
+        connector_group(RANK, NUM_BLOCKS, redis_server.extra())
+    warned = [r.getMessage() for r in caplog.records if "set auth_key" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("KVLabConnector: the redis tier takes chunks from every client")
+    caplog.clear()
+    monkeypatch.setenv("KVLAB_TEST_KEY", "k" * 32)
+    with caplog.at_level(logging.WARNING, logger="kvlab.connector"):
+        connector_group(RANK, NUM_BLOCKS, {**redis_server.extra(), "auth_key": "env:KVLAB_TEST_KEY"})
+        connector_group(RANK, NUM_BLOCKS, {"tiers": ["memory", "shm"], "shm_path": str(tmp_path / "shm")})
+    assert "auth_key" not in caplog.text

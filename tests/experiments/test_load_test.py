@@ -84,11 +84,13 @@ def test_the_summary_counts_failures_and_differences() -> None:
     assert summary["differing_tokens"] == 1 and summary["max_gap"] == 0.5 and summary["control_split_matched"] == 2
 
 
-def test_the_integrity_costs_measure_both_checks() -> None:
+def test_the_integrity_costs_measure_both_checks_and_the_copy_beside_them() -> None:
     from kvlab.experiments.load_test import integrity_costs
+    from kvlab.transfer.methods.memcpy import native_library
 
     costs = integrity_costs(nbytes=1 << 20, repeats=3)
     assert costs["crc32c_best_gb_s"] > 0 and costs["hmac_sha256_best_gb_s"] > 0
+    assert costs.get("stream_copy_best_gb_s", 0) > 0 or isinstance(native_library(), str)
     assert costs["crc32c_best_s"] <= costs["crc32c_median_s"]
     with pytest.raises(ValueError, match="positive"):
         integrity_costs(nbytes=0)

@@ -38,7 +38,9 @@ def test_vllms_default_processes_serve_repeats_and_other_engines_hit(smollm2, pr
     generates bitwise what A computed. Then, as crashes would, the cluster's seed node dies
     under C (what it held is read from Mooncake instead: every block still hits, bitwise),
     then Mooncake's master too (only that node's chunks miss: tokens within the split drift
-    of A's cold run); no request waits 10 s. Tier-level faults (a full segment, a damaged
+    of A's cold run). No request waits 10 s, nor, with the master dead, more than twice what A's
+    cold requests or C's with the node dead take (Mooncake's client blocked 4-9 s in each call to
+    a dead master: issue 42). Tier-level faults (a full segment, a damaged
     chunk, a store down at start-up, a dead node counted): tests/store/test_mooncake_tier.py,
     tests/store/test_redis_cluster_tier.py and tests/connector/test_cluster_deployed.py."""
     shm = str(tmp_path / "shm")
@@ -70,8 +72,11 @@ def test_vllms_default_processes_serve_repeats_and_other_engines_hit(smollm2, pr
     # then Mooncake's master: only the dead node's chunks miss, and are recomputed
     assert sum(hits(other, "warm-mooncake-down")) < sum(loadable(prompts))
     assert within_split_drift(first, other, "cold", "warm-mooncake-down")
-    assert all(row["seconds"] < 10 for phase in ("warm-redis-down", "warm-mooncake-down")
-               for row in other["phases"][phase])
+    waited = {phase: max(row["seconds"] for row in engine["phases"][phase])
+              for engine, phase in ((first, "cold"), (other, "warm-redis-down"), (other, "warm-mooncake-down"))}
+    assert max(waited.values()) < 10, waited
+    # with the master dead a request recomputes what it cannot load: no more than A's cold requests compute
+    assert waited["warm-mooncake-down"] <= 2 * max(waited["cold"], waited["warm-redis-down"]), waited
 
 
 def test_tensor_parallel_ranks_store_their_shards_and_a_failed_load_is_recomputed() -> None:

@@ -1,10 +1,15 @@
 """The mooncake tier against a real Mooncake Store (its master and a segment process on
 loopback, kvlab.runtime.mooncake): chunks read back bitwise by another client, headers
 checked without the payload, damage refused and dropped, a full store evicting instead of
-failing, and a master or segment that dies absorbed as misses within seconds."""
+failing, and a master or segment that dies absorbed as misses within seconds; a master killed
+under load costs no more waiting than a Redis server killed under the same load, and a stalled
+one one deadline."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 from functools import partial
 
@@ -12,11 +17,13 @@ import pytest
 import torch
 
 from kvlab.cache import ModelGeometry
+from kvlab.runtime import redis as redis_runtime
 from kvlab.runtime.mooncake import MooncakeStore
 from kvlab.runtime.servers import free_port
-from kvlab.store import KVStore
-from kvlab.store.tiers import MooncakeTier, StoreStats, Tier
+from kvlab.store import RETRY_FIRST_S, KVStore
+from kvlab.store.tiers import MooncakeTier, RedisTier, StoreStats, Tier
 from kvlab.store.tiers.mooncake import parse_mooncake_url
+from kvlab.store.tiers.remote import CALL_TIMEOUT_S
 from kvlab.testing.chunks import random_chunk, same_chunk
 
 GEOMETRY = ModelGeometry("mooncake-test", 4, 2, 64, torch.bfloat16, 16)  # 32 KiB per block
@@ -106,6 +113,85 @@ def test_a_master_or_segment_that_dies_is_a_quick_miss(own_mooncake_store, fault
     assert one.locate_many(stored.block_keys) in ([None] * 4, [(stored.key, i) for i in range(4)])
     assert not one.put(chunk(4)), "a write is skipped, not raised"
     assert stats.read_errors + stats.write_errors + stats.mooncake_full + stats.mooncake_skipped >= 1
+
+
+def under_load(tier: Tier, kill, seconds: float = 7.0, kill_at: float = 1.5) -> dict[str, float]:
+    """Two threads on ``tier`` as a connector's scheduler and worker use it, step after step (a
+    lookup of a prompt's blocks and their headers; a chunk read and one written), with ``kill()``
+    at ``kill_at`` s: the longest step after the kill, and the slower thread's steps per second
+    from the end of the first back-off window (and one deadline) on, as a share of its own
+    before the kill."""
+    stored = [chunk(tag) for tag in range(8)]
+    assert all(tier.put(c) for c in stored)
+    began = time.monotonic()
+
+    def lookup(i: int) -> None:
+        tier.locate_many(stored[i % 8].block_keys)
+        tier.describe_many([stored[i % 8].key])
+
+    def load_and_save(i: int) -> None:
+        tier.get(stored[i % 8].key)
+        tier.put(chunk(100 + i))
+
+    def run(step, steps: list[tuple[float, float]]) -> None:
+        for i in range(10**6):
+            if time.monotonic() - began > seconds:
+                return
+            start = time.monotonic()
+            step(i)
+            steps.append((start - began, time.monotonic() - start))
+            time.sleep(0.01)
+
+    steps: dict[str, list[tuple[float, float]]] = {"lookups": [], "loads and saves": []}
+    threads = [threading.Thread(target=run, args=(step, steps[name]))
+               for name, step in zip(steps, (lookup, load_and_save))]
+    for thread in threads:
+        thread.start()
+    time.sleep(kill_at)
+    kill()
+    for thread in threads:
+        thread.join()
+    recovered = kill_at + RETRY_FIRST_S + CALL_TIMEOUT_S
+    pace = [sum(start >= recovered for start, _ in own) / (seconds - recovered)
+            / (sum(start < kill_at for start, _ in own) / kill_at) for own in steps.values()]
+    return {"longest_wait_s": max(wait for own in steps.values() for start, wait in own if start + wait >= kill_at),
+            "pace_after": min(pace)}
+
+
+def test_a_master_killed_under_load_costs_no_more_than_a_dead_redis(own_mooncake_store, redis_server) -> None:
+    """Mooncake's client blocks 4-9 s in each call to a dead master (a lookup when the back-off
+    ended stalled the engine for 30 s of 45): each call now has a deadline, and a master that
+    died is told at once. No step waits more than twice what it does when Redis dies (a wait
+    under a second counted as one: this shared machine's load alone stalls a thread that long),
+    and each thread runs at least at half its pace again once the first back-off window is over."""
+    redis = under_load(RedisTier(redis_server.url, StoreStats()), lambda: redis_runtime.shut_down(redis_server.url))
+    mooncake = under_load(MooncakeTier(own_mooncake_store.url, StoreStats()), own_mooncake_store.kill_master)
+    assert redis["pace_after"] >= 0.5 and mooncake["pace_after"] >= 0.5, (redis, mooncake)
+    assert mooncake["longest_wait_s"] <= 2 * max(redis["longest_wait_s"], 1.0), (redis, mooncake)
+
+
+def test_a_stalled_master_costs_one_deadline(own_mooncake_store) -> None:
+    """A master that stops answering but keeps its connections (SIGSTOP: a hung or overloaded
+    host) held each call for a minute; now the first call waits one deadline, and while it
+    still waits on the client every later call fails at once: misses, never a blocked step."""
+    stats = StoreStats()
+    one = tier(own_mooncake_store.url, "stalled", stats)
+    stored = chunk(5)
+    assert one.put(stored)
+    master = own_mooncake_store.master.process.pid
+    os.killpg(master, signal.SIGSTOP)
+    try:
+        waits, began = [], time.monotonic()
+        while time.monotonic() - began < 3 * CALL_TIMEOUT_S:
+            start = time.monotonic()
+            assert one.locate_many(stored.block_keys) == [None] * 4
+            waits.append(time.monotonic() - start)
+            time.sleep(0.01)
+    finally:
+        os.killpg(master, signal.SIGCONT)
+    blocked = [wait for wait in waits if wait > CALL_TIMEOUT_S / 2]
+    assert max(waits) <= 1.5 * CALL_TIMEOUT_S and len(blocked) <= 3, blocked  # 3: the back-off windows begun in 6 s
+    assert stats.read_errors >= 1
 
 
 @pytest.mark.parametrize("url, message", [

@@ -10,7 +10,7 @@ one back-off (kvlab.store.tiers.backoff)."""
 
 from kvlab.store.tiers.backoff import RETRY_FIRST_S, RETRY_MAX_S, Backoff
 from kvlab.store.tiers.disk import DiskTier, SharedMemoryTier, open_disk, open_shm
-from kvlab.store.tiers.folders import STALE_TMP_S, own_folder
+from kvlab.store.tiers.folders import STALE_TMP_S
 from kvlab.store.tiers.lru import BookedTier, LRUBook
 from kvlab.store.tiers.memory import MemoryTier, open_memory
 from kvlab.store.tiers.mooncake import MooncakeTier, open_mooncake
@@ -37,6 +37,6 @@ del _name, _factory, _shared
 
 __all__ = [
     "RETRY_FIRST_S", "RETRY_MAX_S", "STALE_TMP_S", "Backoff", "BookedTier", "DiskTier", "LRUBook", "MemoryTier", "MooncakeTier", "RedisTier",
-    "SharedMemoryTier", "StoreStats", "Tier", "TierKind", "open_tiers", "own_folder", "register_tier",
+    "SharedMemoryTier", "StoreStats", "Tier", "TierKind", "open_tiers", "register_tier",
     "shared_tier_names", "tier_names", "unregister_tier",
 ]

@@ -19,8 +19,9 @@ import torch
 
 from kvlab.store.chunk import _SUFFIX, Chunk, Header, authentic, chunk_from, encode_header, parse_header, payload
 from kvlab.store.keys import valid_key
+from kvlab.store.safe_paths import Folder, open_folder
 from kvlab.store.tiers.backoff import Backoff
-from kvlab.store.tiers.folders import _TMP, STALE_TMP_S, _alive, own_folder
+from kvlab.store.tiers.folders import STALE_TMP_S, TMP_FILE, process_alive
 from kvlab.store.tiers.stats import StoreStats
 
 
@@ -34,14 +35,14 @@ RECOUNT_S = 10.0
 _last_use_ns = 0
 
 
-def _stamp(path: Path) -> None:
-    """Mark ``path`` used now, strictly after every use this process marked before: a file
+def _stamp(folder: Folder, name: str) -> None:
+    """Mark file ``name`` used now, strictly after every use this process marked before: a file
     system's clock ticks in milliseconds, and uses in one tick would tie and evict in any
     order. Gone or read-only: eviction order is only a preference."""
     global _last_use_ns
     _last_use_ns = max(time.time_ns(), _last_use_ns + 1)
     try:
-        os.utime(path, ns=(_last_use_ns, _last_use_ns))
+        folder.utime(name, (_last_use_ns, _last_use_ns))
     except OSError:
         pass
 
@@ -59,8 +60,10 @@ class DiskTier:
     first evicts to make room and tries once more; its lower budget lasts for a doubling
     back-off too, then ``budget_bytes`` is tried again).
 
-    The folder must be this user's and writable by no one else (another local user could
-    plant, swap or delete chunks); a missing one is created mode 0700. With ``auth_key``,
+    The folder must be this user's and writable by no one else, and so must the path to it
+    (another local user could plant, swap or delete chunks: kvlab.store.safe_paths); a missing
+    one is created mode 0700. It is held open from then on: every file is opened relative to
+    it, so renaming its path later changes nothing. With ``auth_key``,
     every chunk written carries an HMAC-SHA256 and a chunk read without a valid one is
     refused (``forged``): then a writer without the key cannot forge a chunk either."""
 
@@ -71,7 +74,7 @@ class DiskTier:
         self.budget_bytes = self.capacity_bytes = capacity_bytes  # the configured budget; the limit now
         self.stats = stats
         self.auth_key = auth_key
-        own_folder(path, f"the store's {self.name}_path {path}")
+        self._folder = open_folder(path, f"the store's {self.name}_path {path}")
         self._index: dict[str, tuple[str, int]] = {}  # block key -> (chunk key, position)
         self._chunk_blocks: OrderedDict[str, list[str]] = OrderedDict()  # chunk key -> its block keys, LRU
         self._rejected: OrderedDict[str, object] = OrderedDict()  # damaged files that could not be removed
@@ -109,19 +112,19 @@ class DiskTier:
 
     def get(self, chunk_key: str) -> Chunk | None:
         """The chunk read from its file and checked; None (a miss) for anything else."""
-        path = self._path(chunk_key)
+        name = self._name(chunk_key)
         self.stats.read_from(self.name)
-        read = self._read(path, chunk_key, payload=True)
+        read = self._read(name, chunk_key, payload=True)
         if read is None:
             return None
         header, flat = read
         chunk = chunk_from(header, flat)
         if not chunk.intact():
-            self._reject(path, "corrupt", ValueError("checksum does not match"))
+            self._reject(name, "corrupt", ValueError("checksum does not match"))
             return None
         if self.auth_key is not None and not authentic(header, self.auth_key, flat):
             self.stats.forged += 1
-            self._reject(path, "forged", ValueError("no valid MAC for this store's auth_key"))
+            self._reject(name, "forged", ValueError("no valid MAC for this store's auth_key"))
             return None
         return chunk
 
@@ -133,7 +136,7 @@ class DiskTier:
         file into place); None, and forgotten, when another process removed it. One stat:
         what a scheduler checks before it promises a chunk it read earlier."""
         try:
-            stat = self._path(chunk_key).stat()
+            stat = self._folder.stat(self._name(chunk_key))
         except OSError:
             self._forget(chunk_key)
             return None
@@ -141,7 +144,7 @@ class DiskTier:
 
     def touch(self, chunk_key: str) -> None:
         """Mark a chunk used now, so that eviction follows use, not write time."""
-        _stamp(self._path(chunk_key))
+        _stamp(self._folder, self._name(chunk_key))
 
     # ---- updates -------------------------------------------------------------------
     def put(self, chunk: Chunk) -> bool:
@@ -168,14 +171,15 @@ class DiskTier:
 
     def discard(self, chunk_key: str) -> None:
         self._forget(chunk_key)
-        self._unlink(self._path(chunk_key))
+        self._unlink(self._name(chunk_key))
 
     # ---- internals -----------------------------------------------------------------
-    def _read(self, path: Path, chunk_key: str, payload: bool) -> tuple[Header, torch.Tensor | None] | None:
+    def _read(self, name: str, chunk_key: str, payload: bool) -> tuple[Header, torch.Tensor | None] | None:
         """The file's checked header, and its payload when asked; None for a missing file
         (forgotten), a bad header (counted and dropped) or a file that cannot be read."""
+        path = self.path / name
         try:
-            with open(path, "rb") as f:
+            with open(self._folder.open(name, os.O_RDONLY), "rb") as f:
                 try:
                     header = parse_header(f, chunk_key, os.fstat(f.fileno()).st_size)
                 except ValueError:
@@ -185,7 +189,7 @@ class DiskTier:
         except FileNotFoundError:  # another process evicted it, or it never was: a plain miss
             self._forget(chunk_key)
         except ValueError as error:
-            self._reject(path, "corrupt", error)
+            self._reject(name, "corrupt", error)
         except OSError as error:
             self.stats.read_errors += 1
             self._log_once("read", f"KVLabConnector store: cannot read {path} ({error}); treated as a miss")
@@ -196,22 +200,23 @@ class DiskTier:
         if not valid_key(chunk_key) or (chunk_key in self._rejected
                                         and self._rejected[chunk_key] == self.identity(chunk_key)):
             return None
-        read = self._read(self._path(chunk_key), chunk_key, payload=False)
+        read = self._read(self._name(chunk_key), chunk_key, payload=False)
         if read is None:
             return None
         header = read[0]
         if self.auth_key is not None and header.mac is None:
             self.stats.forged += 1
-            self._reject(self._path(chunk_key), "forged", ValueError("no MAC, and this store has an auth_key"))
+            self._reject(self._name(chunk_key), "forged", ValueError("no MAC, and this store has an auth_key"))
             return None
         self._add(header.block_keys)
         return header
 
-
-    def _path(self, chunk_key: str) -> Path:
+    def _name(self, chunk_key: str) -> str:
+        """The chunk's file name in the folder; ValueError for anything but a key (no path is
+        ever built from what a file holds)."""
         if not valid_key(chunk_key):
             raise ValueError(f"not a chunk key (32 hex digits): {chunk_key!r}")
-        return self.path / f"{chunk_key}{_SUFFIX}"
+        return f"{chunk_key}{_SUFFIX}"
 
     def _payload(self, f: BinaryIO, path: Path, header: Header) -> torch.Tensor:
         """The payload, read into memory in one call."""
@@ -222,19 +227,19 @@ class DiskTier:
         return flat
 
     def _write(self, chunk: Chunk) -> None:
-        path = self._path(chunk.key)
-        tmp = self.path / f"{chunk.key}.{self._host}-{os.getpid()}.tmp"
+        name = self._name(chunk.key)
+        tmp = f"{chunk.key}.{self._host}-{os.getpid()}.tmp"
         try:
             # this user's alone (0600): others must not read the KV (prompts can be read back from it)
-            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+            with open(self._folder.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
                 f.write(encode_header(chunk, self.auth_key))
                 for part in payload(chunk):
                     f.write(part)
-            tmp.replace(path)
+            self._folder.replace(tmp, name)
         except BaseException:
             self._unlink(tmp, count=False)
             raise
-        _stamp(path)
+        _stamp(self._folder, name)
         self._add(chunk.block_keys)
         if self._held is not None:
             self._held += chunk.nbytes
@@ -264,21 +269,13 @@ class DiskTier:
                        f"the disk tier pauses writing (retried after {pause:g} s, then less often); "
                        "requests go on")
 
-    def _files(self) -> list[tuple[Path, int, int]]:
-        """Every chunk and temporary file with its size and last use (ns), oldest first."""
-        out = []
+    def _files(self) -> list[tuple[str, int, int]]:
+        """Every chunk and temporary file's name with its size and last use (ns), oldest first."""
         try:
-            entries = list(os.scandir(self.path))
+            entries = self._folder.entries(lambda name: name.endswith(_SUFFIX) or bool(TMP_FILE.match(name)))
         except OSError:
-            return out
-        for entry in entries:
-            if entry.name.endswith(_SUFFIX) or _TMP.match(entry.name):
-                try:
-                    stat = entry.stat()
-                except OSError:
-                    continue  # removed meanwhile
-                out.append((Path(entry.path), stat.st_size, stat.st_mtime_ns))
-        return sorted(out, key=lambda f: f[2])
+            return []
+        return sorted(((name, stat.st_size, stat.st_mtime_ns) for name, stat in entries), key=lambda f: f[2])
 
     def _trim(self, incoming: int) -> int:
         """Evict least recently used files until ``incoming`` more bytes fit; the bytes left.
@@ -289,12 +286,12 @@ class DiskTier:
             return self._held
         files = self._files()
         total = sum(size for _, size, _ in files)
-        for path, size, _ in files:
+        for name, size, _ in files:
             if total + incoming <= self.capacity_bytes:
                 break
-            if path.name.endswith(_SUFFIX):
-                self._forget(path.name.removesuffix(_SUFFIX))
-                if self._unlink(path):
+            if name.endswith(_SUFFIX):
+                self._forget(name.removesuffix(_SUFFIX))
+                if self._unlink(name):
                     self.stats.evicted += 1
                     total -= size
         self._held, self._counted_at = total, time.monotonic()
@@ -305,19 +302,15 @@ class DiskTier:
         host sharing the folder: older than STALE_TMP_S)."""
         now = time.time()
         try:
-            temporary = [Path(entry.path) for entry in os.scandir(self.path) if _TMP.match(entry.name)]
+            temporary = self._folder.entries(lambda name: bool(TMP_FILE.match(name)))
         except OSError:
             return
-        for path in temporary:
-            match = _TMP.match(path.name)
-            try:
-                mtime = path.stat().st_mtime_ns
-            except OSError:
-                continue  # removed meanwhile
+        for name, stat in temporary:
+            match = TMP_FILE.match(name)
             same_host = match["host"] in (self._host, None)
             pid = int(match["pid"] or match["old_pid"])
-            if (same_host and not _alive(pid)) or (not same_host and now - mtime / 1e9 > STALE_TMP_S):
-                if self._unlink(path):
+            if (same_host and not process_alive(pid)) or (not same_host and now - stat.st_mtime_ns / 1e9 > STALE_TMP_S):
+                if self._unlink(name):
                     self.stats.stale_tmp_removed += 1
 
     def _add(self, block_keys: list[str]) -> None:
@@ -334,26 +327,29 @@ class DiskTier:
             if self._index.get(key, (None,))[0] == chunk_key:
                 del self._index[key]
 
-    def _reject(self, path: Path, why: str, error: Exception) -> None:
+    def _reject(self, name: str, why: str, error: Exception) -> None:
         """A damaged file: counted, forgotten, removed when the folder allows it."""
         self.stats.corrupt += 1
-        self._log_once(why, f"KVLabConnector store: dropping {path} ({error}); recomputing instead")
-        chunk_key = path.name.removesuffix(_SUFFIX)
+        self._log_once(why, f"KVLabConnector store: dropping {self.path / name} ({error}); recomputing instead")
+        chunk_key = name.removesuffix(_SUFFIX)
         self._forget(chunk_key)
-        kept = None if self._unlink(path) else self.identity(chunk_key)
+        kept = None if self._unlink(name) else self.identity(chunk_key)
         if kept is not None:  # not indexed again unless it is rewritten
             self._rejected[chunk_key] = kept
             while len(self._rejected) > INDEXED_CHUNKS:
                 self._rejected.popitem(last=False)
 
-    def _unlink(self, path: Path, count: bool = True) -> bool:
+    def _unlink(self, name: str, count: bool = True) -> bool:
         try:
-            path.unlink(missing_ok=True)
+            self._folder.unlink(name)
+            return True
+        except FileNotFoundError:
             return True
         except OSError as error:
             if count:
                 self.stats.delete_errors += 1
-                self._log_once(f"unlink-{error.errno}", f"KVLabConnector store: cannot remove {path} ({error})")
+                self._log_once(f"unlink-{error.errno}", f"KVLabConnector store: cannot remove {self.path / name} "
+                                                        f"({error})")
             return False
 
     def _log_once(self, kind: str, message: str) -> None:

@@ -1,8 +1,10 @@
 """The Mooncake tier: chunks in a Mooncake Store (the distributed store vLLM's
 MooncakeStoreConnector, LMCache's ``mooncakestore`` backend and SGLang use), shared by every
-process and host that reaches its master. Every fault is absorbed, counted in
-:class:`StoreStats`, logged once and paused after (kvlab.store.tiers.backoff), as the Redis
-tier does; a full store is not a fault: the master evicts, the write is skipped and counted."""
+process and host that reaches its master. Every call has a deadline (kvlab.store.tiers.deadline:
+Mooncake's client has none, and blocks 4-9 s in each call to a master that died); every fault is
+absorbed, counted in :class:`StoreStats`, logged once and paused after
+(kvlab.store.tiers.backoff), as the Redis tier does; a full store is not a fault: the master
+evicts, the write is skipped and counted."""
 
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ import torch
 
 from kvlab.store.chunk import Chunk, ForgedChunk, Header, encode_header, from_bytes
 from kvlab.store.tiers.backoff import Backoff
-from kvlab.store.tiers.remote import checked_header, drop_corrupt, location, reachable
+from kvlab.store.tiers.deadline import Deadline, ServerWatch
+from kvlab.store.tiers.remote import CALL_TIMEOUT_S, checked_header, drop_corrupt, location, reachable
 from kvlab.store.tiers.stats import StoreStats
 
 # Mooncake's error codes (mooncake-store/include/types.h) the tier tells apart.
@@ -68,7 +71,9 @@ class MooncakeTier:
 
     name, shared = "mooncake", True
 
-    def __init__(self, url: str, stats: StoreStats, segment_bytes: int = 0, auth_key: bytes | None = None) -> None:
+    def __init__(self, url: str, stats: StoreStats, segment_bytes: int = 0, auth_key: bytes | None = None,
+                 timeout_s: float = CALL_TIMEOUT_S) -> None:
+        """``timeout_s``: the most any call is waited for; a master that dies is told at once."""
         os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's info lines are many: its errors only
         from mooncake.store import MooncakeDistributedStore
 
@@ -84,6 +89,8 @@ class MooncakeTier:
         else:
             self._setup = -1
         self._backoff = Backoff()
+        self._deadline = Deadline(ServerWatch(where["host"], where["port"], CONNECT_TIMEOUT_S), timeout_s,
+                                  "kvlab-mooncake")
         self.round_trips = 0
 
     def check(self) -> None:
@@ -183,6 +190,7 @@ class MooncakeTier:
 
     def close(self) -> None:
         """Leave the store (a segment this client lent goes with it)."""
+        self._deadline.close()
         self.client.close()
 
     # ---- internals -----------------------------------------------------------------
@@ -205,11 +213,11 @@ class MooncakeTier:
         def checked() -> Any:
             if self._setup != 0 or self.client.health_check() != 0:
                 raise OSError("the master does not answer")
-            return operation()
+            return self._deadline.call(operation)
 
         if not self._backoff.paused:
             self.round_trips += 1
-        # Mooncake's error codes (raised as OSError) and its own exceptions
+        # Mooncake's error codes (raised as OSError), its own exceptions, and a deadline passed (OSError)
         return self._backoff.call(self.stats, kind, checked, (OSError, RuntimeError), f"Mooncake at {self.url}",
                                   "mooncake_skipped")
 

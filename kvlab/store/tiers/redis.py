@@ -8,10 +8,10 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from kvlab.store.chunk import HEADER_PREFIX, Chunk, ForgedChunk, Header, from_bytes, header_length, to_bytes
-from kvlab.store.secrets import is_cluster_url, redact, resolve_redis_url
+from kvlab.store.secrets import check_redis_url, is_cluster_url, redact, resolve_redis_url
 from kvlab.store.tiers.backoff import Backoff
 from kvlab.store.tiers.redis_cluster import ClusterNodes, node_errors
-from kvlab.store.tiers.remote import checked_header, drop_corrupt, location
+from kvlab.store.tiers.remote import CALL_TIMEOUT_S, checked_header, drop_corrupt, location
 from kvlab.store.tiers.resp import BulkReader
 from kvlab.store.tiers.stats import StoreStats
 
@@ -34,10 +34,12 @@ class RedisTier:
     name, shared = "redis", True
     PREFIX = "kvlab:"
 
-    def __init__(self, url: str, stats: StoreStats, timeout_s: float = 2.0, auth_key: bytes | None = None) -> None:
+    def __init__(self, url: str, stats: StoreStats, timeout_s: float = CALL_TIMEOUT_S,
+                 auth_key: bytes | None = None) -> None:
         """``auth_key``: as the disk tier's (every value carries a MAC; one without a valid one is refused)."""
         import redis
 
+        check_redis_url(url)  # redis-py's own errors would quote a URL it misreads
         self.url = redact(url)  # for messages: the password never appears in them
         self.stats = stats
         self.auth_key = auth_key

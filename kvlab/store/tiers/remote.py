@@ -1,6 +1,6 @@
-"""What the remote tiers (Redis, Mooncake) do the same way: read a block's name
-("<chunk>:<position>") and a chunk's header, checked before its payload is fetched; drop a
-damaged chunk; tell whether a server's port answers."""
+"""What the remote tiers (Redis, Mooncake) do the same way: wait at most CALL_TIMEOUT_S on a
+call; read a block's name ("<chunk>:<position>") and a chunk's header, checked before its
+payload is fetched; drop a damaged chunk; tell whether a server's port answers."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ from typing import Any, Callable
 
 from kvlab.store.chunk import ForgedChunk, Header, parse_header
 from kvlab.store.keys import valid_key
+
+# The most a remote tier waits on one call: Redis's socket timeout, Mooncake's deadline.
+CALL_TIMEOUT_S = 2.0
 
 
 def location(value: bytes | None) -> tuple[str, int] | None:
