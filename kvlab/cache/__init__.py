@@ -17,6 +17,7 @@ from kvlab.cache.allocation import (
 )
 from kvlab.cache.devices import (can_pin_memory, check_fits, device_here, memory_bytes, npu_available, resolve_device,
                                  synchronize)
+from kvlab.cache.fits import check_compatible, compatible_layouts
 from kvlab.cache.geometry import DTYPES, PRESETS, ModelGeometry, dtype_name, parse_dtype, preset, resolve_model
 from kvlab.cache.layouts import (
     AXES,
@@ -27,8 +28,6 @@ from kvlab.cache.layouts import (
     Holds,
     Kind,
     Layout,
-    check_compatible,
-    compatible_layouts,
     get_layout,
     register_layout,
     unregister_layout,

@@ -30,7 +30,8 @@ from matplotlib.figure import Figure
 
 from kvlab.cache.allocation import address_labels, axis_sizes
 from kvlab.cache.geometry import PRESETS, ModelGeometry, preset
-from kvlab.cache.layouts import compatible_layouts, get_layout
+from kvlab.cache.fits import compatible_layouts
+from kvlab.cache.layouts import get_layout
 from kvlab.cache.segments import scattered_block_ids, transfer_cost
 from kvlab.experiments.costmodel import CostFit, fit
 from kvlab.plotting.atlas import draw_memory_map, miniature
