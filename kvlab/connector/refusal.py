@@ -38,7 +38,7 @@ def cache_refusal(vllm_config: Any, kv_cache_config: Any) -> str | None:
                 f"be left out and every chunk would be partial")
     dtype = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto") or "auto"
     if dtype not in PLAIN_CACHE_DTYPES and dtype not in QUANTS:
-        return (f"a {dtype} KV cache ({layout}): kvlab has no layout for its rows (it knows "
+        return (f"a KV cache of {dtype} rows ({layout}): kvlab has no layout for them (it knows "
                 f"{sorted(QUANTS)}), so it cannot tell which bytes are whose")
     return None
 

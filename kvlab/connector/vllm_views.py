@@ -82,8 +82,8 @@ def vllm_hybrid(hybrid: HybridGeometry, layout: str, num_blocks: int) -> tuple[A
                              page_size_padded=group.page if group.page != group.content else None)
         groups.append(KVCacheGroupSpec([layer_name(i) for i in group.layers], spec))
     vllm_layout = KVCacheLayout[layout]
-    kv_config = kv_cache_config_from_groups()(_stand_in(vllm_layout, num_blocks), groups,
-                                              num_blocks * hybrid.bytes_per_block(layout))
+    room = num_blocks * sum(len(group.layers) * group.page for group in hybrid.groups)  # enough for any placement
+    kv_config = kv_cache_config_from_groups()(_stand_in(vllm_layout, num_blocks), groups, room)
     kv_config.kv_cache_layout = layout
     return kv_config, allocate_kv_cache(kv_config, torch.device("cpu"), vllm_layout)
 
