@@ -71,9 +71,9 @@ class KVGroup:
         return self.geometry is not None
 
     def describe(self) -> str:
-        """'sliding_window (window 64): layers 1, 3'."""
+        """'sliding_window (window 64): layers 1, 3', 'mamba: layer 2'."""
         window = f" (window {self.window})" if self.window else ""
-        return f"{self.kind}{window}: layers {', '.join(map(str, self.layers))}"
+        return f"{self.kind}{window}: layer{'s' * (len(self.layers) > 1)} {', '.join(map(str, self.layers))}"
 
 
 @dataclass(frozen=True)
@@ -150,6 +150,19 @@ class HybridCache:
         cache = from_storage(self.layout, group.geometry, self.num_blocks, [self.buffer[:size].view(group.geometry.dtype)])
         cache.layers = dict(zip([layer_name(i) for i in group.layers], cache.layers.values()))
         return cache
+
+
+def hybrid_miniature(packed: bool = False) -> HybridGeometry:
+    """A hybrid model small enough to draw every 32 bytes of: full-attention, sliding-window
+    and Mamba groups of two layers, the Mamba state padded to the attention page (vLLM's
+    hybrid allocator); or, ``packed``, three attention layers and one unpadded Mamba state,
+    for a block-outer layout to pack (vLLM #46252)."""
+    gqa = ModelGeometry("gqa", 1, 2, 8, torch.bfloat16, block_size=4)  # a page: 2 x 4 x 16 x 2 = 256 bytes
+    if packed:
+        return HybridGeometry("hybrid, mixed pages (miniature)",
+                              (KVGroup.attention(gqa, [0, 1, 3]), KVGroup.mamba([2], 96)))
+    return HybridGeometry("hybrid (miniature)", (KVGroup.attention(gqa, [0, 3]), KVGroup.attention(gqa, [1, 4], window=8),
+                                                 KVGroup.mamba([2, 5], 96, gqa.page_bytes)))
 
 
 def allocate_hybrid(hybrid: HybridGeometry, layout: str, num_blocks: int, device: str | torch.device = "cpu") -> HybridCache:

@@ -12,6 +12,7 @@ from kvlab.plotting.atlas import (
     miniature,
 )
 from kvlab.plotting.common import human_bytes, save_figure
+from kvlab.plotting.hybrid_maps import hybrid_map
 from kvlab.plotting.connector import (
     deployed_figure,
     engine_layouts_figure,
@@ -37,7 +38,7 @@ from kvlab.plotting.transfer import (
 )
 
 __all__ = [
-    "human_bytes", "save_figure", "COLOUR_BY", "miniature", "draw_memory_map", "memory_map", "segment_scaling",
+    "human_bytes", "save_figure", "COLOUR_BY", "miniature", "draw_memory_map", "memory_map", "hybrid_map", "segment_scaling",
     "segments_by_layout", "atlas", "transfer_ratios", "bandwidth_vs_tokens", "cost_model_figure",
     "break_even_figure", "layerwise_figure", "hardware_figure", "hooks_timeline", "ttft_figure",
     "registration_figure", "engine_layouts_figure", "deployed_figure", "network_tier_figure", "roundtrip_figure", "accuracy_figure", "comparison_figure",

@@ -13,19 +13,24 @@ import matplotlib.patches
 import matplotlib.pyplot as plt
 import numpy as np
 
-from kvlab.cache.allocation import address_labels, axis_sizes
+from kvlab.cache.allocation import axis_sizes
+from kvlab.cache.cells import cell_labels, cells_per_page
 from kvlab.cache.geometry import ModelGeometry
 from kvlab.cache.layouts import Layout, get_layout
 from kvlab.cache.segments import span_segments
-from kvlab.plotting.common import (BLACK, BLUE, CYCLE, DEFAULT_WIDTH, MEDIUM, ORANGE, SMALL, WIDTHS, figure_width,
-                                   model_name, paper_figure, plural, text_inches, wrap)
+from kvlab.cache.quant import KINDS
+from kvlab.plotting.common import (BLACK, BLUE, CYCLE, DEFAULT_WIDTH, LIGHT_GREY, MEDIUM, ORANGE, SMALL, WIDTHS,
+                                   figure_width, model_name, paper_figure, plural, text_inches, wrap)
 from kvlab.plotting.common import title as figure_title
 
 COLOUR_BY = ("layer", "block", "part", "token")
+QUANT_COLOUR_BY = COLOUR_BY + ("kind",)  # a quantized cache's maps may show its bytes by kind
 # black parts tensors (the lines across a map): no layer or block is drawn in it
 _OKABE_ITO = matplotlib.colors.ListedColormap([c for c in CYCLE if c != BLACK], name="okabe_ito")
 _CMAPS = {"layer": _OKABE_ITO, "block": _OKABE_ITO, "part": None, "token": "viridis"}
 _PART_COLOURS = np.array([matplotlib.colors.to_rgb(BLUE), matplotlib.colors.to_rgb(ORANGE)])
+KIND_COLOURS = np.array([matplotlib.colors.to_rgb(c) for c in (BLUE, ORANGE, LIGHT_GREY, "white")])  # payload, scale,
+# padding, and (hybrid maps) bytes a block's owner leaves unused
 MAX_HEIGHT = 6.0  # inches of a double-column figure: with its caption, it fits a page
 KEY_ROW = 0.15  # inches per entry of a colour key (SMALL type, tight spacing)
 
@@ -45,6 +50,8 @@ def miniature(geometry: ModelGeometry, layers: int = 4, heads: int = 2, block_si
 
 
 def _colours(values: np.ndarray, by: str, count: int) -> np.ndarray:
+    if by == "kind":
+        return KIND_COLOURS[values]
     if by == "part":
         return _PART_COLOURS[values % 2]
     cmap = plt.get_cmap(_CMAPS[by])
@@ -53,7 +60,7 @@ def _colours(values: np.ndarray, by: str, count: int) -> np.ndarray:
 
 
 def _counts(geometry: ModelGeometry, num_blocks: int) -> dict[str, int]:
-    return {"layer": geometry.num_layers, "block": num_blocks, "part": 2, "token": geometry.block_size}
+    return {"layer": geometry.num_layers, "block": num_blocks, "part": 2, "token": geometry.block_size, "kind": 3}
 
 
 # --- colour keys: one entry per colour a row of maps draws ---------------------------------
@@ -84,7 +91,7 @@ def _packed(layout: Layout, geometry: ModelGeometry) -> bool:
 
 
 def _key_title(by: str, geometry: ModelGeometry) -> str:
-    return {"part": "MLA part" if geometry.is_mla else "K/V"}.get(by, by)
+    return {"part": "MLA part" if geometry.is_mla else "K/V", "kind": "byte kind"}.get(by, by)
 
 
 def _values_text(by: str, values: Sequence[int]) -> str:
@@ -98,8 +105,10 @@ def _key(by: str, geometry: ModelGeometry, num_blocks: int, layouts: Sequence[La
     value while each has its own colour, one per colour naming the values that share it when
     the palette repeats (more than 7 layers or blocks), a dark-to-light strip for more than
     8 tokens."""
-    values = sorted({int(v) for layout in layouts for v in address_labels(layout, geometry, num_blocks)[by].numpy()})
+    values = sorted({int(v) for layout in layouts for v in cell_labels(layout, geometry, num_blocks)[by].numpy()})
     colours = _colours(np.array(values), by, _counts(geometry, num_blocks)[by])
+    if by == "kind":
+        return [matplotlib.patches.Patch(color=c, label=KINDS[v]) for v, c in zip(values, colours)]
     if by == "part":
         names = list(geometry.part_names)
         packed = [_packed(layout, geometry) for layout in layouts]
@@ -159,7 +168,7 @@ def _model(geometry: ModelGeometry) -> str:
     return model_name(plain) + (suffix if plain != geometry.name else "")
 
 
-def _how_to_read(num_blocks: int, moved_blocks: Sequence[int]) -> str:
+def _how_to_read(num_blocks: int, moved_blocks: Sequence[int], geometry: ModelGeometry | None = None) -> str:
     """The footnote under a page of maps: how to read one, and what moved."""
     moved = sorted(set(moved_blocks))
     if not moved:
@@ -168,7 +177,10 @@ def _how_to_read(num_blocks: int, moved_blocks: Sequence[int]) -> str:
         what = f"All {plural(num_blocks, 'block')} moved"
     else:
         what = f"Block{'s' * (len(moved) > 1)} {_listing(moved)} moved (solid), the rest faded"
-    return (f"One cell = one head vector, in address order: left to right, then down (a row: one layer's page of "
+    quant = geometry.quant if geometry is not None else None
+    cell = ("one head vector" if quant is None else
+            f"{plural(quant.unit(geometry.head_size), 'byte')} of a {quant.name} row")
+    return (f"One cell = {cell}, in address order: left to right, then down (a row: one layer's page of "
             f"a block). {what}; black lines part tensors.")
 
 
@@ -199,9 +211,9 @@ def draw_memory_map(
     the title gives their segment count, which is returned (None when nothing moves).
     """
     layout = get_layout(layout)
-    if by not in COLOUR_BY:
-        raise ValueError(f"colour by one of {COLOUR_BY}, not {by!r}")
-    labels = {k: v.numpy() for k, v in address_labels(layout, geometry, num_blocks).items()}
+    if by not in QUANT_COLOUR_BY:
+        raise ValueError(f"colour by one of {QUANT_COLOUR_BY}, not {by!r}")
+    labels = {k: v.numpy() for k, v in cell_labels(layout, geometry, num_blocks).items()}
     rgb = _colours(labels[by], by, _counts(geometry, num_blocks)[by])
     moved = [(block, 0, geometry.block_size) for block in moved_blocks] + list(spans)
     if moved:
@@ -209,6 +221,8 @@ def draw_memory_map(
         for block, first, end in moved:
             still &= ~((labels["block"] == block) & (labels["token"] >= first) & (labels["token"] < end))
         rgb[still] = matplotlib.colors.to_rgb(rest) if rest else 0.25 * rgb[still] + 0.75
+    if geometry.quant is not None:  # a cell is a few bytes of a row: a page is many more cells
+        width = width or cells_per_page(layout, geometry)
     width = width or geometry.block_size * geometry.num_kv_heads * axis_sizes(layout, geometry, num_blocks)["S"]
     rows = -(-len(rgb) // width)
     image = np.ones((rows * width, 3))
@@ -251,8 +265,8 @@ def memory_map(
     to read a map in a footnote."""
     layouts = [get_layout(layout) for layout in layouts]
     for by in colour_by:
-        if by not in COLOUR_BY:
-            raise ValueError(f"colour by one of {COLOUR_BY}, not {by!r}")
+        if by not in QUANT_COLOUR_BY:
+            raise ValueError(f"colour by one of {QUANT_COLOUR_BY}, not {by!r}")
     inches = figure_width(width)
     keys = [_key(by, geometry, num_blocks, layouts) for by in colour_by]
     # a map about as tall as wide and as its key's column, within a page at double width
@@ -274,9 +288,11 @@ def memory_map(
         axes[row, -1].legend(handles=keys[row], loc="center left",
                              bbox_to_anchor=(1.0, 0.5), ncols=_key_columns(len(keys[row]), height), **KEY_STYLE)
     heads = "one MLA latent" if geometry.is_mla else plural(geometry.num_kv_heads, "kv head")
+    if geometry.quant is not None:
+        heads += f" of {geometry.head_size} in {geometry.quant.name}"
     figure_title(fig, f"{_model(geometry)}: {plural(geometry.num_layers, 'layer')}, {heads}, "
                       f"{plural(num_blocks, 'block')} of {plural(geometry.block_size, 'token')}")
-    _footnote(fig, _how_to_read(num_blocks, moved_blocks))
+    _footnote(fig, _how_to_read(num_blocks, moved_blocks, geometry))
     fig.get_layout_engine().execute(fig)  # the maps' widths, for titles that fit them
     fits = min(_axes_inches(fig, ax) for ax in axes[0]) + 0.04
     for ax, layout, counted in zip(axes[0], layouts, _segments_texts(segments, len(set(moved_blocks)), fits)):
@@ -325,7 +341,7 @@ def atlas(
     else:  # right of the grid, clear of the footnote under it
         fig.legend(handles=key, loc="outside right upper", **KEY_STYLE)
     figure_title(fig, f"{_model(geometry)}: every layout, coloured by {_key_title(by, geometry)}")
-    _footnote(fig, _how_to_read(num_blocks, moved_blocks)
+    _footnote(fig, _how_to_read(num_blocks, moved_blocks, geometry)
               + (" Under each map: the segments that move them." if moved_blocks else ""))
     fig.get_layout_engine().execute(fig)
     fits = min(_axes_inches(fig, ax) for ax in axes.flat) + 0.04

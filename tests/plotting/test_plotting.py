@@ -54,9 +54,12 @@ def test_atlas_draws_every_layout():
     from kvlab.cache import LAYOUTS, Holds
     from kvlab.plotting import atlas
 
-    names = [n for n, layout in LAYOUTS.items() if layout.requires is not Holds.MLA]
+    names = [n for n, layout in LAYOUTS.items() if layout.requires is not Holds.MLA and layout.scales != "regions"]
     fig = atlas(names, miniature(preset("llama-3.1-8b")), columns=6)
     assert sum(1 for ax in fig.axes if ax.get_title()) == len(names)
+    nvfp4 = [n for n, layout in LAYOUTS.items() if layout.scales == "regions"]  # NVFP4's own, with its geometry
+    fig = atlas(nvfp4, miniature(preset("llama-3.1-8b")).quantized("nvfp4"), by="kind")
+    assert sum(1 for ax in fig.axes if ax.get_title()) == len(nvfp4) == 4
 
 
 def test_a_figure_names_the_machines_and_profiles_it_shows(tmp_path):
