@@ -38,8 +38,13 @@ def ambiguities(geometry: ModelGeometry, layouts: Sequence[str] | None = None, n
         cache = allocate(name, geometry, num_blocks, fill="empty")
         for other in adoptions(dict(cache.layers), geometry, names, num_blocks):
             if other.layout.name != name:
-                out.append(Ambiguity(geometry.name, name, other.layout.name, _rows(cache) == _rows(other)))
+                out.append(Ambiguity(geometry_label(geometry), name, other.layout.name, _rows(cache) == _rows(other)))
     return out
+
+
+def geometry_label(geometry: ModelGeometry) -> str:
+    """The model's name, and its KV format where quantized."""
+    return geometry.name if geometry.quant is None else f"{geometry.name}, {geometry.quant.name}"
 
 
 def _rows(cache: KVCache) -> dict[tuple[int, ...], tuple[int, int]]:
