@@ -23,7 +23,9 @@ SMALL = miniature(preset("llama-3.1-8b")).with_(head_size=32)
 def test_a_slot16_row_is_drawn_as_values_scale_and_padding():
     fig = memory_map(["LBHNC"], SMALL.quantized("fp8_inline_slot16"), moved_blocks=(), colour_by=("kind",))
     try:
-        image = fig.axes[0].images[0].get_array().reshape(-1, 3)
+        drawn = fig.axes[0].images[0].get_array()
+        assert drawn.shape[1] == 4 * 2 * 2 * 12  # a map row is one page: tokens x heads x K/V x a row's cells
+        image = drawn.reshape(-1, 3)
         row = [int(np.argmin(np.abs(KIND_COLOURS[:3] - cell).sum(1))) for cell in image[:12]]
         assert row == [0] * 8 + [1] + [2] * 3  # 32 value bytes, the scale, 12 bytes of slot: 4-byte cells
         assert legend_labels(fig) == ["payload", "scale", "padding"]
