@@ -32,11 +32,11 @@ def _key(hybrid: HybridGeometry, by: str, cells: dict[str, np.ndarray]) -> list:
     """One entry per colour the row draws."""
     values = sorted({int(v) for v in cells[by] if v >= 0})
     if by == "kind":
-        names = [*KINDS, "unused by the block's owner"]
+        names = [*KINDS, "unused"]
         return [matplotlib.patches.Patch(facecolor=KIND_COLOURS[v], edgecolor="0.6", lw=0.5, label=names[v])
                 for v in values]
     palette = [CYCLE[v % len(CYCLE)] for v in values]
-    names = [hybrid.groups[v].describe() if by == "group" else f"layer {v}" for v in values]
+    names = [hybrid.groups[v].kind.replace("_", " ") if by == "group" else f"layer {v}" for v in values]
     return [matplotlib.patches.Patch(color=c, label=n) for c, n in zip(palette, names)]
 
 
@@ -72,22 +72,26 @@ def hybrid_map(hybrid: HybridGeometry, layouts: Sequence[str], owners: Sequence[
             ax.imshow(rgb.reshape(-1, row_cells, 3), aspect="auto", interpolation="nearest")
             ax.set_xticks([])
             ax.set_yticks([])
-            if col == 0:
-                ax.set_ylabel(f"by {by}")
         title = cache.layout
         if moved is not None:
             count = group_segments(cache, moved[0], moved[1]).count
             title += f"\n{plural(count, 'segment') if inches >= WIDTHS['double'] else f'{count} seg.'}"
         axes[0, col].set_title(title, fontsize=SMALL)
-    for row, by in enumerate(colour_by):
-        axes[row, -1].legend(handles=_key(hybrid, by, cells[0]), loc="center left", bbox_to_anchor=(1.0, 0.5),
-                             **KEY_STYLE)
+    for row, by in enumerate(colour_by):  # each row's key, titled with what its colours tell
+        key = _key(hybrid, by, cells[0])
+        title = f"by {'byte kind' if by == 'kind' else by}"
+        if inches >= WIDTHS["double"]:
+            axes[row, -1].legend(handles=key, title=title, loc="center left", bbox_to_anchor=(1.0, 0.5), **KEY_STYLE)
+        else:  # a narrow figure keeps its width for the maps: the key under them
+            axes[row, 0].legend(handles=key, title=title, loc="upper left", bbox_to_anchor=(0.0, -0.02),
+                                ncols=min(len(key), 3), **KEY_STYLE)
     figure_title(fig, f"{hybrid.name}: {plural(len(hybrid.groups), 'KV cache group')} over one buffer of "
                       f"{plural(len(owners), 'block')}")
+    groups = "; ".join(f"group {i}: {group.describe()}" for i, group in enumerate(hybrid.groups))
     owned = ", ".join(f"block {b}: group {g}" for b, g in enumerate(owners))
-    fig.supxlabel(wrap(f"One cell = {plural(unit, 'byte')}, in address order, left to right, then down (a row: one "
-                       f"page in a layer-outer layout, one block in a block-outer one). Which group owns a block is "
-                       f"the scheduler's choice ({owned}); white: bytes of a block its owner leaves unused"
+    fig.supxlabel(wrap(f"{groups}. One cell = {plural(unit, 'byte')}, in address order, left to right, then down (a "
+                       f"row: one page in a layer-outer layout, one block in a block-outer one). Which group owns a "
+                       f"block is the scheduler's choice ({owned}); white: bytes of a block its owner leaves unused"
                        f"{_moved_text(moved)}.", inches, SMALL),
                   fontsize=SMALL, color="0.25")
     return fig

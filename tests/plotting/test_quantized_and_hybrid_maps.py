@@ -68,7 +68,7 @@ def test_a_hybrid_map_draws_each_block_as_its_owner_holds_it():
         image = fig.axes[0].images[0].get_array()
         assert image.shape[:2] == (2, 3 * 256 // 32)  # a row per block, three attention pages wide
         assert (image[0, 3:] == 1).all() and (image[1] != 1).any()  # block 0: one Mamba state, the rest unused
-        assert legend_labels(fig) == ["payload", "unused by the block's owner"]
+        assert legend_labels(fig) == ["payload", "unused"]
     finally:
         plt.close(fig)
 
