@@ -22,7 +22,7 @@ import torch
 from kvlab.cache.allocation import KVCache, allocate, from_storage, layer_name
 from kvlab.cache.devices import resolve_device
 from kvlab.cache.geometry import ModelGeometry
-from kvlab.cache.layouts import VLLM_V29_LAYOUTS, get_layout
+from kvlab.cache.layouts import VLLM_V29_LAYOUTS
 from kvlab.cache.quant import PADDING, PAYLOAD
 from kvlab.cache.segments import Segments, check_block_ids, merge_runs
 

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from kvlab.cache.geometry import ModelGeometry
 
 AXES = "LBSNHD"
 
