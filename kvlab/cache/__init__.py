@@ -17,6 +17,7 @@ from kvlab.cache.allocation import (
 )
 from kvlab.cache.devices import (can_pin_memory, check_fits, device_here, memory_bytes, npu_available, resolve_device,
                                  synchronize)
+from kvlab.cache.fits import check_compatible, compatible_layouts
 from kvlab.cache.geometry import DTYPES, PRESETS, ModelGeometry, dtype_name, parse_dtype, preset, resolve_model
 from kvlab.cache.layouts import (
     AXES,
@@ -27,8 +28,6 @@ from kvlab.cache.layouts import (
     Holds,
     Kind,
     Layout,
-    check_compatible,
-    compatible_layouts,
     get_layout,
     register_layout,
     unregister_layout,
@@ -48,6 +47,9 @@ from kvlab.cache.segments import (
     token_spans,
     transfer_cost,
 )
+from kvlab.cache.hybrid import HybridGeometry, KVGroup, allocate_hybrid
+from kvlab.cache.identify import ambiguities
+from kvlab.cache.quant import QUANTS, KVQuant
 from kvlab.cache.vllm_history import vllm_history, vllm_layout
 
 __all__ = [
@@ -58,5 +60,6 @@ __all__ = [
     "axis_sizes", "check_num_blocks", "allocations", "KVCache", "layer_name", "allocate", "from_storage", "adopt",
     "address_labels", "allocate_chunk", "MAX_RUNS", "MAX_TABLE_BLOCKS", "Segments", "check_block_ids",
     "scattered_block_ids", "contiguous_block_ids", "token_spans", "span_segments", "block_segments",
-    "token_segments", "transfer_cost", "sweep", "layout_table",
+    "token_segments", "transfer_cost", "sweep", "layout_table", "QUANTS", "KVQuant", "HybridGeometry", "KVGroup",
+    "allocate_hybrid", "ambiguities",
 ]

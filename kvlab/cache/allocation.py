@@ -15,7 +15,8 @@ import torch
 
 from kvlab.cache.devices import can_pin_memory, check_fits, resolve_device
 from kvlab.cache.geometry import ModelGeometry, dtype_name
-from kvlab.cache.layouts import LAYOUTS, Layout, check_compatible, compatible_layouts, get_layout
+from kvlab.cache.fits import check_compatible, compatible_layouts
+from kvlab.cache.layouts import LAYOUTS, Layout, get_layout
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ def axis_sizes(layout: Layout, geometry: ModelGeometry, num_blocks: int, part: i
     elif part is not None:
         parts, dim = len(geometry.parts), geometry.parts[part]
     else:
-        parts, dim = 2, geometry.head_size
+        parts, dim = 2, geometry.row_size
     return {"L": geometry.num_layers, "B": num_blocks, "S": parts, "N": geometry.block_size,
             "H": geometry.num_kv_heads, "D": dim}
 
@@ -321,27 +322,35 @@ def adopt(layers: dict[str, torch.Tensor | tuple[torch.Tensor, ...]], geometry: 
     views match shape, strides and relative offsets wins; layer names are kept. Views of
     one block-major buffer (vLLM >= 0.29 BL* layouts) come back as a cross-layer cache.
     """
+    cache = next(adoptions(layers, geometry, candidates, num_blocks), None)
+    if cache is None:
+        first = view_parts(next(iter(layers.values())))
+        raise ValueError(
+            f"no kvlab layout among {candidates or compatible_layouts(geometry, chunk_formats=False)} matches these "
+            f"KV views (layer 0: shapes {[tuple(p.shape) for p in first]}, strides {[p.stride() for p in first]}, "
+            f"dtype {first[0].dtype}) for {geometry.name}"
+        )
+    return cache
+
+
+def adoptions(layers: dict[str, torch.Tensor | tuple[torch.Tensor, ...]], geometry: ModelGeometry,
+               candidates: list[str] | None, num_blocks: int | None) -> Iterator[KVCache]:
+    """The views wrapped as each candidate layout they match, in the candidates' order
+    (more than one: shapes, strides and offsets cannot tell those layouts apart)."""
     if len(layers) != geometry.num_layers:
         raise ValueError(f"got KV for {len(layers)} layers, the geometry has {geometry.num_layers}")
     given = [view_parts(v) for v in layers.values()]
-    names = candidates or compatible_layouts(geometry, chunk_formats=False)
     sizes = [num_blocks] if num_blocks else sorted(set(given[0][0].shape))
-    for name in names:
-        layout = get_layout(name)
+    for name in candidates or compatible_layouts(geometry, chunk_formats=False):
         for size in sizes:
             try:
-                cache = _adopt_as(layout, geometry, size, given)
+                cache = _adopt_as(get_layout(name), geometry, size, given)
             except ValueError:
                 cache = None
             if cache is not None:
                 cache.layers = dict(zip(layers, cache.layers.values()))
-                return cache
-    first = given[0]
-    raise ValueError(
-        f"no kvlab layout among {names} matches these KV views (layer 0: shapes "
-        f"{[tuple(p.shape) for p in first]}, strides {[p.stride() for p in first]}, dtype {first[0].dtype}) "
-        f"for {geometry.name}"
-    )
+                yield cache
+                break
 
 
 def address_labels(layout: str | Layout, geometry: ModelGeometry, num_blocks: int) -> dict[str, torch.Tensor]:

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from kvlab.cache.quant import KVQuant, get_quant
+
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -62,7 +64,8 @@ class ModelGeometry:
     For attention with separate K and V (MHA/GQA) a token of one layer holds
     ``2 * num_kv_heads * head_size`` elements. For MLA it holds one latent of
     ``kv_lora_rank + qk_rope_head_dim`` elements (``num_kv_heads`` is 1, ``head_size``
-    the latent size).
+    the latent size). A quantized cache (``quant``, kvlab.cache.quant) stores each head's
+    row of K or V as ``row_size`` bytes: its values, and its scales where they are inline.
     """
 
     name: str
@@ -73,13 +76,17 @@ class ModelGeometry:
     block_size: int = 16
     kv_lora_rank: int | None = None
     qk_rope_head_dim: int | None = None
+    quant: KVQuant | None = None
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "num_kv_heads", "head_size", "block_size"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{field} must be a positive integer, got {value!r}")
-        object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+        if self.quant is not None:
+            object.__setattr__(self, "quant", get_quant(self.quant))
+        stored = self.quant is not None and str(self.dtype).removeprefix("torch.") == dtype_name(self.quant.storage)
+        object.__setattr__(self, "dtype", self.quant.storage if stored else parse_dtype(self.dtype))
         if (self.kv_lora_rank is None) != (self.qk_rope_head_dim is None):
             raise ValueError("an MLA geometry needs both kv_lora_rank and qk_rope_head_dim")
         if self.is_mla:
@@ -90,6 +97,23 @@ class ModelGeometry:
                     f"an MLA head_size must be kv_lora_rank + qk_rope_head_dim = "
                     f"{self.kv_lora_rank + self.qk_rope_head_dim}, got {self.head_size}"
                 )
+        self._check_quant()
+
+    def _check_quant(self) -> None:
+        if self.quant is None:
+            return
+        if self.is_mla:
+            raise ValueError(f"kvlab models {self.quant.name} for K/V caches, not MLA latents")
+        if self.dtype != self.quant.storage:
+            raise ValueError(f"{self.quant.name} is stored as {dtype_name(self.quant.storage)}, "
+                             f"not {dtype_name(self.dtype)}")
+        self.quant.check(self.head_size)
+
+    def quantized(self, quant: str | KVQuant) -> ModelGeometry:
+        """This model's KV in a quantized format (kvlab.cache.quant.QUANTS), stored as the
+        format stores it."""
+        quant = get_quant(quant)
+        return replace(self, quant=quant, dtype=quant.storage)
 
     @classmethod
     def mla(cls, name: str, num_layers: int, kv_lora_rank: int, qk_rope_head_dim: int, **kw: Any) -> ModelGeometry:
@@ -101,11 +125,16 @@ class ModelGeometry:
         return self.kv_lora_rank is not None
 
     @property
+    def row_size(self) -> int:
+        """Elements of one head's row of K or V: the head size, or a quantized row's bytes."""
+        return self.head_size if self.quant is None else self.quant.row_bytes(self.head_size)
+
+    @property
     def parts(self) -> tuple[int, ...]:
         """Sizes of the parts of one head's content: (K, V), or MLA's (latent, rope)."""
         if self.is_mla:
             return (self.kv_lora_rank, self.qk_rope_head_dim)
-        return (self.head_size, self.head_size)
+        return (self.row_size, self.row_size)
 
     @property
     def part_names(self) -> tuple[str, str]:
@@ -143,6 +172,7 @@ class ModelGeometry:
         return replace(self, **changes)
 
     def describe(self) -> dict[str, Any]:
+        quant = {} if self.quant is None else {"kv_cache_dtype": self.quant.name, "row_bytes": self.row_size}
         return {
             "name": self.name,
             "num_layers": self.num_layers,
@@ -156,6 +186,7 @@ class ModelGeometry:
             "token_bytes": self.token_bytes,
             "page_bytes": self.page_bytes,
             "block_bytes": self.block_bytes,
+            **quant,
         }
 
     @classmethod

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from kvlab.cache.geometry import ModelGeometry
 
 AXES = "LBSNHD"
 
@@ -49,7 +48,11 @@ class Layout:
 
     ``mla_twin`` names the layout that plays this one's part for an MLA model (the Ascend
     tuple, LMCache's chunk); ``lmcache_peer`` the LMCache chunk format LMCache's own copy
-    function moves this paged layout to and from."""
+    function moves this paged layout to and from. ``scales`` says which quantized caches
+    (kvlab.cache.quant) it carries: rows with their scales "inline", "regions" (NVFP4: the
+    order describes the page as vLLM views it, ``side_order`` what each K or V side holds:
+    every (head, token) row's values, then their scales, heads outside tokens "HN" or inside
+    "NH"), or "" none."""
 
     name: str
     family: str
@@ -65,6 +68,8 @@ class Layout:
     kind: Kind = Kind.PAGED
     mla_twin: str | None = None
     lmcache_peer: str | None = None
+    scales: str = "inline"
+    side_order: str = ""
 
     def __post_init__(self) -> None:
         # user input (register_layout takes any Layout): raised, not asserted, so python -O keeps it
@@ -77,6 +82,9 @@ class Layout:
         if sorted(self.view_order) != sorted(kept):
             raise ValueError(f"layout {self.name!r}: view_order must hold each axis of the order outside the layer "
                              f"axis and the split ones ({kept!r}) once, got {self.view_order!r}")
+        if self.scales not in ("inline", "regions", "") or (self.scales == "regions") != (self.side_order in ("HN", "NH")):
+            raise ValueError(f"layout {self.name!r}: scales is 'inline', 'regions' (with side_order 'HN' or 'NH') "
+                             f"or '', got {self.scales!r} with side_order {self.side_order!r}")
 
     @property
     def packs_parts(self) -> bool:
@@ -139,7 +147,21 @@ def _cpu_attn(name: str, note: str) -> Layout:
         f"CPU_{name}", "vLLM >= 0.29", order, "BHSND", ("B", "H", "N", "SD"),
         f"per-layer [B, H, N, 2D] views of one {name} buffer",
         f"CPU_ATTN reads each (block, head) page as [2*BS, D]: all K rows, then all V rows; {note}",
-        backends="CPU_ATTN" if name == "LBHNC" else "kvlab's CPU_ATTN backend", requires=Holds.KV,
+        backends="CPU_ATTN" if name == "LBHNC" else "kvlab's CPU_ATTN backend", requires=Holds.KV, scales="",
+    )
+
+
+def _nvfp4(name: str) -> Layout:
+    """vLLM's NVFP4 cache (FLASHINFER) under one of its KVCacheLayout orders: a layer's view
+    is (NB, 2H, BS, D/2 + D/16) bytes over the logical [L, B, 2H, N, C]; only orders whose
+    pages are dense can be read (``_nvfp4_kv_views`` raises otherwise)."""
+    logical = ("L", "B", "SH", "N", "D")
+    order = "".join(logical[i] for i in _V29_PERMUTATIONS[name])
+    return Layout(
+        f"nvfp4_{name}", "vLLM >= 0.29", order, "BSHND", ("B", "SH", "N", "D"),
+        f"per-layer (NB, 2H, BS, D/2 + D/16) uint8 views of one {name} buffer",
+        "NVFP4: each K/V side of a page holds every row's packed 4-bit values, then their fp8 scales",
+        backends="FLASHINFER (nvfp4)", requires=Holds.KV, scales="regions", side_order=name[2:4],
     )
 
 
@@ -178,40 +200,41 @@ _LAYOUTS: list[Layout] = [
     _cpu_attn("LHBNC", "each layer contiguous, heads outside blocks (kvlab's backend)"),
     _cpu_attn("BLHNC", "cross-layer: a block holds every layer's packed pages in one run (kvlab's backend)"),
     _cpu_attn("BHLNC", "cross-layer per head: a block is one run, heads outermost (kvlab's backend)"),
+    *(_nvfp4(name) for name in ("LBHNC", "LBNHC", "BLHNC", "BLNHC")),
     # vLLM 0.12 to 0.28: one tensor per layer (CPU_ATTN's packed page; see GENERATIONS).
     Layout(
         "cpu_attn_v0.23", "vLLM 0.23-0.28", "LBHSND", "BHSND", ("B", "H", "N", "SD"),
         "(NB, H, BS, 2D) per layer", "CPU_ATTN reads each (block, head) page as [2*BS, D]",
-        split="L", requires=Holds.KV, backends="CPU_ATTN",
+        split="L", requires=Holds.KV, backends="CPU_ATTN", scales="",
     ),
     # vllm-ascend: each layer a (k_cache, v_cache) tuple of separate tensors.
     Layout(
         "ascend_kv_tuple", "vllm-ascend", "LSBNHD", "BNHD", ("B", "N", "H", "D"),
         "(k_cache, v_cache), each (NB, BS, H, D), per layer",
         "K and V are separate allocations: no run ever spans both",
-        split="LS", requires=Holds.KV, backends="Ascend attention", mla_twin="ascend_mla_tuple",
+        split="LS", requires=Holds.KV, backends="Ascend attention", mla_twin="ascend_mla_tuple", scales="",
     ),
     Layout(
         "ascend_mla_tuple", "vllm-ascend", "LSBNHD", "BNHD", ("B", "N", "H", "D"),
         "(nope_cache (NB, BS, 1, kv_lora_rank), rope_cache (NB, BS, 1, rope)) per layer",
         "the MLA latent and its rope part in two allocations",
-        split="LS", requires=Holds.MLA, backends="Ascend MLA attention",
+        split="LS", requires=Holds.MLA, backends="Ascend MLA attention", scales="",
     ),
     # LMCache 0.5.6 stored chunk formats (lmcache.v1.memory_management.MemoryFormat).
     Layout(
         "KV_2LTD", "LMCache chunk", "SLBNHD", "SBNHD", ("S", "BN", "HD"), "[2, L, T, H*D]",
         "LMCache's stored object per chunk (non-layerwise)",
-        storage_shape=("S", "L", "BN", "HD"), requires=Holds.KV, kind=Kind.CHUNK, mla_twin="KV_MLA_FMT",
+        storage_shape=("S", "L", "BN", "HD"), requires=Holds.KV, kind=Kind.CHUNK, mla_twin="KV_MLA_FMT", scales="",
     ),
     Layout(
         "KV_T2D", "LMCache chunk", "LBNSHD", "BNSHD", ("BN", "S", "HD"), "[T, 2, H*D] per layer",
         "LMCache's layerwise object: one per chunk and layer",
-        split="L", storage_shape=("BN", "S", "HD"), requires=Holds.KV, kind=Kind.CHUNK,
+        split="L", storage_shape=("BN", "S", "HD"), requires=Holds.KV, kind=Kind.CHUNK, scales="",
     ),
     Layout(
         "KV_MLA_FMT", "LMCache chunk", "LBNHSD", "BNHSD", ("BN", "SD"), "[1, L, T, C]",
         "LMCache's stored MLA chunk: one latent per token and layer",
-        storage_shape=("H", "L", "BN", "SD"), requires=Holds.MLA, kind=Kind.CHUNK,
+        storage_shape=("H", "L", "BN", "SD"), requires=Holds.MLA, kind=Kind.CHUNK, scales="",
     ),
 ]
 
@@ -288,7 +311,7 @@ def _generation_layouts(gen: Generation) -> list[Layout]:
             view_order, gen.logical,
             f"{_shape_text(gen.logical)} per layer, stored {_shape_text(physical)}",
             f"{kv_layout}: one tensor per layer", split="L", requires=gen.requires, backends=gen.backends,
-            lmcache_peer=gen.lmcache_peer if kv_layout == "NHD" else None,
+            lmcache_peer=gen.lmcache_peer if kv_layout == "NHD" else None, scales=_scales(gen),
         ))
     for kv_layout, order in gen.cross_layer.items():
         physical = tuple((("L",) + gen.logical)[i] for i in order)
@@ -296,9 +319,14 @@ def _generation_layouts(gen: Generation) -> list[Layout]:
             gen.name + ("" if kv_layout == "NHD" else "_hnd") + "_cross", gen.family + " cross-layer",
             "".join(physical), view_order, gen.logical, _shape_text(physical),
             f"{kv_layout}: one tensor for all layers, passed to register_cross_layers_kv_cache",
-            storage_shape=physical, requires=gen.requires, backends=gen.backends,
+            storage_shape=physical, requires=gen.requires, backends=gen.backends, scales=_scales(gen),
         ))
     return out
+
+
+def _scales(gen: Generation) -> str:
+    """The GPU backends' pages take inline-scale rows; CPU_ATTN's kernels read none."""
+    return "" if gen.backends == "CPU_ATTN" else "inline"
 
 
 _at = next(i for i, layout in enumerate(_LAYOUTS) if layout.name == "cpu_attn_v0.23")
@@ -330,32 +358,3 @@ def get_layout(name: str | Layout) -> Layout:
     if str(name).lower() not in by_lower:
         raise ValueError(f"unknown layout {name!r}; choose one of {list(LAYOUTS)}")
     return by_lower[str(name).lower()]
-
-
-def check_compatible(layout: str | Layout, geometry: ModelGeometry) -> None:
-    """Refuse a layout that cannot hold this geometry's KV (e.g. MLA in a K/V-split layout)."""
-    layout = get_layout(layout)
-    if geometry.is_mla and not _fits_mla(layout):
-        raise ValueError(
-            f"layout {layout.name} keeps K and V apart, but {geometry.name} is MLA (one latent "
-            f"per token); MLA-capable layouts: {[n for n, l in LAYOUTS.items() if _fits_mla(l)]}"
-        )
-    if not geometry.is_mla and layout.requires is Holds.MLA:
-        raise ValueError(
-            f"layout {layout.name} is for MLA caches, but {geometry.name} has separate K and V; "
-            f"K/V layouts: {[n for n, l in LAYOUTS.items() if l.requires is not Holds.MLA]}"
-        )
-
-
-def _fits_mla(layout: Layout) -> bool:
-    return layout.requires is not Holds.KV and (layout.packs_parts or layout.is_tuple)
-
-
-def compatible_layouts(geometry: ModelGeometry, chunk_formats: bool = True) -> list[str]:
-    """Names of the layouts that can hold this geometry's KV (MLA or K/V)."""
-    return [
-        name
-        for name, layout in LAYOUTS.items()
-        if (_fits_mla(layout) if geometry.is_mla else layout.requires is not Holds.MLA)
-        and (chunk_formats or not layout.is_chunk_format)
-    ]

@@ -126,6 +126,12 @@ def span_segments(
     # partial blocks need the token axis too.
     whole = [b for b, s, e in spans if (s, e) == (0, geometry.block_size)]
     partial = [(b, s, e) for b, s, e in spans if (s, e) != (0, geometry.block_size)]
+    if partial and layout.scales == "regions":
+        raise ValueError(
+            f"{layout.name} moves whole blocks only: a token's NVFP4 values and scales sit in separate regions "
+            f"of the page, and FlashInfer interleaves V's scales across 4 tokens (its #3042); got partial blocks "
+            f"{partial[:4]}"
+        )
     _check_runs(layout, geometry, len(whole), sum(e - s for _, s, e in partial))
     picks = []
     if whole:
@@ -225,7 +231,9 @@ def transfer_cost(
     num_blocks: int | None = None,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """What moving the first ``tokens`` tokens of a request costs: bytes and segments.
+    """What moving the first ``tokens`` tokens of a request costs: bytes and segments; for
+    a quantized cache also its bytes by kind (``payload_bytes``, ``scale_bytes``,
+    ``padding_bytes``: the scales and padding move inside the same segments).
 
     ``block_ids`` is the request's block table, or ``"scattered"`` (seeded, no two
     adjacent) or ``"contiguous"``.
@@ -260,6 +268,9 @@ def transfer_cost(
     else:
         table = check_block_ids(block_ids, num_blocks)
     segments = token_segments(layout, geometry, num_blocks, table, 0, tokens)
+    quantized = {} if geometry.quant is None else {
+        f"{kind}_bytes": tokens * geometry.num_layers * geometry.num_kv_heads * 2 * size
+        for kind, size in geometry.quant.split(geometry.head_size).items()}
     return {
         "layout": layout.name,
         "tokens": tokens,
@@ -267,6 +278,7 @@ def transfer_cost(
         "num_blocks": num_blocks,
         "block_ids": block_ids if isinstance(block_ids, str) else "given",
         "bytes_moved": tokens * geometry.token_bytes,
+        **quantized,
         **segments.summary(),
     }
 
@@ -292,7 +304,7 @@ def sweep(
 def layout_table(layouts: Sequence[str | Layout], geometry: ModelGeometry, num_blocks: int = 8) -> list[dict[str, Any]]:
     """The stride table: how each layout hands a layer to a connector, and what a block costs."""
     from kvlab.cache.allocation import allocate
-    from kvlab.cache.layouts import compatible_layouts
+    from kvlab.cache.fits import compatible_layouts
 
     fitting = compatible_layouts(geometry)
     rows = []

@@ -22,10 +22,12 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 
 from kvlab.cache.allocation import adopt, layer_name, view_parts
-from kvlab.cache.layouts import CPU_ATTN_LAYOUTS, LAYOUTS, VLLM_V29_LAYOUTS, Holds, compatible_layouts
+from kvlab.cache.fits import compatible_layouts
+from kvlab.cache.layouts import CPU_ATTN_LAYOUTS, LAYOUTS, VLLM_V29_LAYOUTS, Holds
 from kvlab.connector.config import CROSS_LAYER_LAYOUT, REMOTE_TIERS, ConnectorConfig
 from kvlab.connector.geometry import engine_geometry, on_cpu, uses_mla
 from kvlab.connector.messages import KVLabMetadata, KVLabWorkerMeta
+from kvlab.connector.refusal import RefusedScheduler, cache_refusal
 from kvlab.connector.metrics import SCHEDULER_COUNTERS, WORKER_COUNTERS, CounterDeltas, KVLabPromMetrics, KVLabStats
 from kvlab.connector.scheduler import SchedulerSide
 from kvlab.connector.stores import ConnectorStats, new_worker_store, shared
@@ -67,9 +69,13 @@ class KVLabConnector(KVConnectorBase_V1):
         self._stats = shared(self.config).stats
         self._deltas = CounterDeltas(self._stats, SCHEDULER_COUNTERS if role == KVConnectorRole.SCHEDULER
                                      else WORKER_COUNTERS)
-        self.scheduler: SchedulerSide | None = None
+        self.scheduler: SchedulerSide | RefusedScheduler | None = None
         self.worker: WorkerSide | None = None
-        if role == KVConnectorRole.SCHEDULER:
+        self.refusal = cache_refusal(vllm_config, kv_cache_config)  # both sides decide alike, from the config
+        if role == KVConnectorRole.SCHEDULER and self.refusal:
+            self._refuse()
+            self.scheduler = RefusedScheduler()
+        elif role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(self.config, vllm_config, kv_cache_config, self._stats)
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 logger.warning("KVLabConnector: kv_load_failure_policy is %r: a chunk that fails its check "
@@ -154,8 +160,15 @@ class KVLabConnector(KVConnectorBase_V1):
                            labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> KVLabPromMetrics:
         return KVLabPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
+    def _refuse(self) -> None:
+        logger.warning("KVLabConnector: refusing %s; nothing is stored or loaded, the engine computes every "
+                       "prompt as without a connector", self.refusal)
+
     # ---- worker side -------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        if self.refusal:
+            self._refuse()
+            return
         dtype = view_parts(next(iter(kv_caches.values())))[0].dtype
         geometry = engine_geometry(self._vllm_config, len(kv_caches), dtype)
         layers = {name: tuple(v) if isinstance(v, list) else v for name, v in kv_caches.items()}
@@ -180,6 +193,9 @@ class KVLabConnector(KVConnectorBase_V1):
     def register_cross_layers_kv_cache(self, kv_cache: torch.Tensor, attn_backend: Any) -> None:
         """vLLM 0.12-0.28: one tensor for all layers, permuted by the backend's stride order
         with a layers dimension; layer i is ``kv_cache.permute(inverse)[i]``."""
+        if self.refusal:
+            self._refuse()
+            return
         order = tuple(attn_backend.get_kv_cache_stride_order(include_num_layers_dimension=True))
         inverse = [order.index(i) for i in range(len(order))]
         logical = kv_cache.permute(*inverse)

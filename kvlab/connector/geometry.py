@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvlab.cache.geometry import ModelGeometry, parse_dtype
+from kvlab.cache.quant import QUANTS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -16,19 +17,22 @@ if TYPE_CHECKING:
 
 def engine_geometry(vllm_config: VllmConfig, num_layers: int | None = None,
                     dtype: torch.dtype | None = None) -> ModelGeometry:
-    """One worker's KV geometry (its share of the kv heads under tensor parallelism);
-    ``num_layers`` and ``dtype`` default to the model's."""
+    """One worker's KV geometry (its share of the kv heads under tensor parallelism), in the
+    quantized format the cache dtype names where kvlab knows it; ``num_layers`` and
+    ``dtype`` default to the model's."""
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     block_size = vllm_config.cache_config.block_size
     num_layers = num_layers if num_layers is not None else model.get_num_layers(parallel)
-    dtype = dtype if dtype is not None else parse_dtype(model.dtype)
+    quant = QUANTS.get(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+    dtype = quant.storage if quant else dtype if dtype is not None else parse_dtype(model.dtype)
     name = Path(str(model.model)).name
     if model.use_mla:
         text = model.hf_text_config
         return ModelGeometry.mla(name, num_layers, text.kv_lora_rank, text.qk_rope_head_dim,
                                  dtype=dtype, block_size=block_size)
-    return ModelGeometry(name, num_layers, model.get_num_kv_heads(parallel), model.get_head_size(), dtype, block_size)
+    return ModelGeometry(name, num_layers, model.get_num_kv_heads(parallel), model.get_head_size(), dtype, block_size,
+                         quant=quant)
 
 
 def on_cpu() -> bool:

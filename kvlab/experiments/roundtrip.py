@@ -18,7 +18,8 @@ import torch
 from kvlab.cache.allocation import KVCache, address_labels, allocate, allocations
 from kvlab.cache.devices import resolve_device
 from kvlab.cache.geometry import ModelGeometry, dtype_name, parse_dtype
-from kvlab.cache.layouts import Layout, check_compatible, compatible_layouts, get_layout
+from kvlab.cache.fits import check_compatible, compatible_layouts
+from kvlab.cache.layouts import Layout, get_layout
 from kvlab.cache.segments import check_block_ids
 from kvlab.runtime.progress import progress
 from kvlab.store.chunk import checksum

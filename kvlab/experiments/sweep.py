@@ -24,7 +24,8 @@ import torch
 from kvlab.cache.allocation import allocate
 from kvlab.cache.devices import check_fits, resolve_device
 from kvlab.cache.geometry import ModelGeometry, dtype_name, resolve_model
-from kvlab.cache.layouts import check_compatible, get_layout
+from kvlab.cache.fits import check_compatible
+from kvlab.cache.layouts import get_layout
 from kvlab.cache.segments import contiguous_block_ids, scattered_block_ids
 from kvlab.experiments.timing import Clock, check_positive_int, interleaved
 from kvlab.results import append_results, start_run

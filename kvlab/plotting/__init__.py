@@ -13,6 +13,7 @@ from kvlab.plotting.atlas import (
 )
 from kvlab.plotting.common import human_bytes
 from kvlab.plotting.gpu_model import answer_markdown, citations, fit_markdown, layout_question_figure, published_figure
+from kvlab.plotting.hybrid_maps import hybrid_map
 from kvlab.plotting.saving import save_figure
 from kvlab.plotting.connector import (
     deployed_figure,
@@ -39,7 +40,7 @@ from kvlab.plotting.transfer import (
 )
 
 __all__ = [
-    "human_bytes", "save_figure", "COLOUR_BY", "miniature", "draw_memory_map", "memory_map", "segment_scaling",
+    "human_bytes", "save_figure", "COLOUR_BY", "miniature", "draw_memory_map", "memory_map", "hybrid_map", "segment_scaling",
     "segments_by_layout", "atlas", "transfer_ratios", "bandwidth_vs_tokens", "cost_model_figure",
     "break_even_figure", "layerwise_figure", "hardware_figure", "hooks_timeline", "ttft_figure",
     "registration_figure", "engine_layouts_figure", "deployed_figure", "network_tier_figure", "accuracy_figure", "comparison_figure",

@@ -14,15 +14,19 @@ import matplotlib.patches
 import matplotlib.pyplot as plt
 import numpy as np
 
-from kvlab.cache.allocation import address_labels, axis_sizes
+from kvlab.cache.allocation import axis_sizes
+from kvlab.cache.cells import cell_labels, cells_per_page
 from kvlab.cache.geometry import ModelGeometry
 from kvlab.cache.layouts import Layout, get_layout
+from kvlab.cache.quant import KINDS
 from kvlab.cache.segments import span_segments
-from kvlab.plotting.common import (BLUE, DEFAULT_WIDTH, GREEN, MEDIUM, ORANGE, PURPLE, SKY_BLUE, SMALL, VERMILLION, WIDTHS,
-                                   YELLOW, figure_width, footnote, model_name, paper_figure, plural, text_inches, wrap)
+from kvlab.plotting.common import (BLUE, DEFAULT_WIDTH, GREEN, LIGHT_GREY, MEDIUM, ORANGE, PURPLE, SKY_BLUE, SMALL,
+                                   VERMILLION, WIDTHS, YELLOW, figure_width, footnote, model_name, paper_figure, plural,
+                                   text_inches, wrap)
 from kvlab.plotting.common import title as figure_title
 
 COLOUR_BY = ("layer", "block", "part", "token")
+QUANT_COLOUR_BY = COLOUR_BY + ("kind",)  # a quantized cache's maps may show its bytes by kind
 # Okabe-Ito's colours but black (it parts tensors: the lines across a map), sky blue last: faded
 # beside blue it is hard to tell apart (FADED), and six blocks or layers need only the first six
 _OKABE_ITO = matplotlib.colors.ListedColormap([BLUE, ORANGE, GREEN, VERMILLION, PURPLE, YELLOW, SKY_BLUE],
@@ -30,6 +34,8 @@ _OKABE_ITO = matplotlib.colors.ListedColormap([BLUE, ORANGE, GREEN, VERMILLION, 
 FADED = 0.6  # the share of white in a colour drawn faded (what did not move)
 _CMAPS = {"layer": _OKABE_ITO, "block": _OKABE_ITO, "part": None, "token": "viridis"}
 _PART_COLOURS = np.array([matplotlib.colors.to_rgb(BLUE), matplotlib.colors.to_rgb(ORANGE)])
+KIND_COLOURS = np.array([matplotlib.colors.to_rgb(c) for c in (BLUE, ORANGE, LIGHT_GREY, "white")])  # payload, scale,
+# padding, and (hybrid maps) bytes a block's owner leaves unused
 MAX_HEIGHT = 6.0  # inches of a double-column figure: with its caption, it fits a page
 KEY_ROW = 0.15  # inches per entry of a colour key (SMALL type, tight spacing)
 
@@ -49,6 +55,8 @@ def miniature(geometry: ModelGeometry, layers: int = 4, heads: int = 2, block_si
 
 
 def _colours(values: np.ndarray, by: str, count: int) -> np.ndarray:
+    if by == "kind":
+        return KIND_COLOURS[values]
     if by == "part":
         return _PART_COLOURS[values % 2]
     cmap = plt.get_cmap(_CMAPS[by])
@@ -61,7 +69,7 @@ def _faded(rgb: np.ndarray) -> np.ndarray:
 
 
 def _counts(geometry: ModelGeometry, num_blocks: int) -> dict[str, int]:
-    return {"layer": geometry.num_layers, "block": num_blocks, "part": 2, "token": geometry.block_size}
+    return {"layer": geometry.num_layers, "block": num_blocks, "part": 2, "token": geometry.block_size, "kind": 3}
 
 
 # --- colour keys: one entry per colour a row of maps draws ---------------------------------
@@ -92,7 +100,7 @@ def _packed(layout: Layout, geometry: ModelGeometry) -> bool:
 
 
 def _key_title(by: str, geometry: ModelGeometry) -> str:
-    return {"part": "MLA part" if geometry.is_mla else "K/V"}.get(by, by)
+    return {"part": "MLA part" if geometry.is_mla else "K/V", "kind": "byte kind"}.get(by, by)
 
 
 def _values_text(by: str, values: Sequence[int]) -> str:
@@ -107,8 +115,10 @@ def _key(by: str, geometry: ModelGeometry, num_blocks: int, layouts: Sequence[La
     value while each has its own colour, one per colour naming the values that share it when
     the palette repeats (more than 7 layers or blocks), a dark-to-light strip for more than
     8 tokens; a block that did not move (where some did) in the faded colour it is drawn in."""
-    values = sorted({int(v) for layout in layouts for v in address_labels(layout, geometry, num_blocks)[by].numpy()})
+    values = sorted({int(v) for layout in layouts for v in cell_labels(layout, geometry, num_blocks)[by].numpy()})
     colours = _colours(np.array(values), by, _counts(geometry, num_blocks)[by])
+    if by == "kind":
+        return [matplotlib.patches.Patch(color=c, label=KINDS[v]) for v, c in zip(values, colours)]
     if by == "block" and moved_blocks:
         still = ~np.isin(values, list(moved_blocks))
         colours[still] = _faded(colours[still])
@@ -171,9 +181,10 @@ def _model(geometry: ModelGeometry) -> str:
     return model_name(plain) + (suffix if plain != geometry.name else "")
 
 
-def _how_to_read(num_blocks: int, moved_blocks: Sequence[int], widths: Sequence[int]) -> str:
-    """The footnote under a page of maps: how to read one (what a row holds: the maps of
-    ``widths`` cells a row), and what moved."""
+def _how_to_read(num_blocks: int, moved_blocks: Sequence[int], widths: Sequence[int],
+                 geometry: ModelGeometry | None = None) -> str:
+    """The footnote under a page of maps: how to read one (what a cell is, what a row holds:
+    the maps of ``widths`` cells a row), and what moved."""
     moved = sorted(set(moved_blocks))
     if not moved:
         what = "Nothing moved"
@@ -182,7 +193,10 @@ def _how_to_read(num_blocks: int, moved_blocks: Sequence[int], widths: Sequence[
     else:
         what = f"Block{'s' * (len(moved) > 1)} {_listing(moved)} moved (solid), the rest faded"
     row = " or ".join(map(str, sorted(set(widths))))
-    return (f"One cell = one head vector, in address order: left to right, then down, {row} to a row (as many as "
+    quant = geometry.quant if geometry is not None else None
+    cell = ("one head vector" if quant is None else
+            f"{plural(quant.unit(geometry.head_size), 'byte')} of a {quant.name} row")
+    return (f"One cell = {cell}, in address order: left to right, then down, {row} to a row (as many as "
             f"one layer holds of one block). {what}; black lines part tensors.")
 
 
@@ -213,9 +227,9 @@ def map_picture(layout: str | Layout, geometry: ModelGeometry, num_blocks: int, 
     span_segments takes them) are solid, the rest faded, or in the colour ``rest``.
     """
     layout = get_layout(layout)
-    if by not in COLOUR_BY:
-        raise ValueError(f"colour by one of {COLOUR_BY}, not {by!r}")
-    labels = {k: v.numpy() for k, v in address_labels(layout, geometry, num_blocks).items()}
+    if by not in QUANT_COLOUR_BY:
+        raise ValueError(f"colour by one of {QUANT_COLOUR_BY}, not {by!r}")
+    labels = {k: v.numpy() for k, v in cell_labels(layout, geometry, num_blocks).items()}
     rgb = _colours(labels[by], by, _counts(geometry, num_blocks)[by])
     moved = [(block, 0, geometry.block_size) for block in moved_blocks] + list(spans)
     if moved:
@@ -223,6 +237,8 @@ def map_picture(layout: str | Layout, geometry: ModelGeometry, num_blocks: int, 
         for block, first, end in moved:
             still &= ~((labels["block"] == block) & (labels["token"] >= first) & (labels["token"] < end))
         rgb[still] = matplotlib.colors.to_rgb(rest) if rest else _faded(rgb[still])
+    if geometry.quant is not None:  # a cell is a few bytes of a row: a page is many more cells
+        width = width or cells_per_page(layout, geometry)
     width = width or geometry.block_size * geometry.num_kv_heads * axis_sizes(layout, geometry, num_blocks)["S"]
     rows = -(-len(rgb) // width)
     image = np.ones((rows * width, 3))
@@ -286,8 +302,8 @@ def memory_map(
     to read a map in a footnote."""
     layouts = [get_layout(layout) for layout in layouts]
     for by in colour_by:
-        if by not in COLOUR_BY:
-            raise ValueError(f"colour by one of {COLOUR_BY}, not {by!r}")
+        if by not in QUANT_COLOUR_BY:
+            raise ValueError(f"colour by one of {QUANT_COLOUR_BY}, not {by!r}")
     inches = figure_width(width)
     keys = [_key(by, geometry, num_blocks, layouts, moved_blocks) for by in colour_by]
     # a map about as tall as wide and as its key's column, within a page at double width
@@ -310,9 +326,11 @@ def memory_map(
         axes[row, -1].legend(handles=keys[row], loc="center left",
                              bbox_to_anchor=(1.0, 0.5), ncols=_key_columns(len(keys[row]), height), **KEY_STYLE)
     heads = "one MLA latent" if geometry.is_mla else plural(geometry.num_kv_heads, "kv head")
+    if geometry.quant is not None:
+        heads += f" of {geometry.head_size} in {geometry.quant.name}"
     figure_title(fig, f"{_model(geometry)}: {plural(geometry.num_layers, 'layer')}, {heads}, "
                       f"{plural(num_blocks, 'block')} of {plural(geometry.block_size, 'token')}")
-    footnote(fig, _how_to_read(num_blocks, moved_blocks, sorted(widths)))
+    footnote(fig, _how_to_read(num_blocks, moved_blocks, sorted(widths), geometry))
     fig.get_layout_engine().execute(fig)  # the maps' widths, for titles that fit them
     fits = min(_axes_inches(fig, ax) for ax in axes[0]) + 0.04
     for ax, layout, counted in zip(axes[0], layouts, _segments_texts(segments, len(set(moved_blocks)), fits)):
@@ -371,7 +389,7 @@ def atlas(
         fig.legend(handles=key, loc="outside right upper", **KEY_STYLE)
     figure_title(fig, f"{_model(geometry)}: every layout, coloured by {_key_title(by, geometry)}; layouts drawing "
                       f"the same map share it")
-    footnote(fig, _how_to_read(num_blocks, moved_blocks, [p.image.shape[1] for p, _ in pictures])
+    footnote(fig, _how_to_read(num_blocks, moved_blocks, [p.image.shape[1] for p, _ in pictures], geometry)
              + (" Over each map: the segments that move them; under it: the layouts it draws." if moved_blocks
                 else " Under each map: the layouts it draws."))
     fig.get_layout_engine().execute(fig)

@@ -2,24 +2,22 @@
 picture and a table, which saved, exported and headless copies of a notebook keep (they
 drop live widget views, or need a network to draw them).
 
-Pick a model, two layouts, a block size and a token count. The same transfer is shown at
+Pick a model, its KV format (unquantized, or a quantized one of kvlab.cache.quant), two
+layouts, a block size and a token count. The same transfer is shown at
 two scales: a miniature map drawn cell by cell in proportion to the real transfer (one
 drawn token for every TOKEN_SCALE tokens, so the block size sets how long a drawn block is
 and the token count how many blocks move, up to a readable cap), and the real transfer's
-numbers, with its estimated time from the fitted cost model (kvlab.experiments.costmodel)
-of this machine where it was measured, else of the machines that were, named as not this
-one. Nothing here imports vLLM.
+numbers, with its estimated time (kvlab.plotting.explorer_numbers). Nothing here imports
+vLLM.
 """
 
 from __future__ import annotations
 
 import base64
-import functools
 import html
 import io
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Sequence
 
 import matplotlib.colors
@@ -28,14 +26,16 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from kvlab.cache.allocation import address_labels, axis_sizes
-from kvlab.cache.geometry import PRESETS, ModelGeometry, preset
-from kvlab.cache.layouts import compatible_layouts, get_layout
-from kvlab.cache.segments import scattered_block_ids, transfer_cost
-from kvlab.experiments.costmodel import CostFit, fit
+from kvlab.cache.allocation import axis_sizes
+from kvlab.cache.cells import cell_labels, cells_per_page
+from kvlab.cache.fits import compatible_layouts
+from kvlab.cache.geometry import PRESETS, ModelGeometry
+from kvlab.cache.layouts import get_layout
+from kvlab.cache.quant import KINDS
+from kvlab.cache.segments import scattered_block_ids
 from kvlab.plotting.atlas import draw_memory_map, miniature
-from kvlab.plotting.common import LIGHT_GREY, human_bytes, plural, short_hardware, wrap
-from kvlab.results import committed_results_dir, fingerprint, load_results
+from kvlab.plotting.common import LIGHT_GREY, plural, wrap
+from kvlab.plotting.explorer_numbers import KV_FORMATS, kv_geometry, numbers
 
 # The miniature: a few layers and heads, one drawn token for every TOKEN_SCALE tokens (blocks
 # of 16 to 256 tokens are drawn 1 to 16 tokens long), at most MAX_DRAWN_TOKENS drawn tokens
@@ -43,11 +43,6 @@ from kvlab.results import committed_results_dir, fingerprint, load_results
 MAX_LAYERS, MAX_HEADS, TOKEN_SCALE, MAX_DRAWN_TOKENS = 4, 2, 16, 64
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 TOKENS = tuple(2**k for k in range(4, 15))
-# The estimate: an offload by the fastest batched copy method measured on a machine (memcpy
-# moves every segment in one call, gather in one per tensor: docs/results.md's transfer tables show
-# them hide nearly all the cost of a copy), fitted on its transfer timings.
-DIRECTION, BATCHED = "offload", ("memcpy", "gather")
-TRANSFER_RESULTS = ("02_transfer-*.jsonl", "02_ceiling-*.jsonl")
 # The picture, shown at DPI (100 % zoom): text at FONT points is 12.5 px, readable on a projector.
 DPI, FONT = 100, 9
 # It fits beside the controls in a notebook beside JupyterLab's file browser (about 970 px).
@@ -65,13 +60,6 @@ lines part tensors.</p>
 </div>"""
 
 
-def _time(seconds: float) -> str:
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6), ("ns", 1e-9)):
-        if seconds >= scale or unit == "ns":
-            return f"{seconds / scale:.3g} {unit}"
-    raise AssertionError
-
-
 @dataclass(frozen=True)
 class Scales:
     """One transfer at two scales: the ``real`` model moves ``tokens`` tokens; its miniature
@@ -85,10 +73,10 @@ class Scales:
     num_blocks: int
 
     @classmethod
-    def of(cls, model: str, block_size: int, tokens: int) -> Scales:
+    def of(cls, model: str, block_size: int, tokens: int, kv_format: str = "unquantized") -> Scales:
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
             raise ValueError(f"tokens must be a positive integer, got {tokens!r}")
-        real = preset(model, block_size=block_size)
+        real = kv_geometry(model, kv_format, block_size)
         small = miniature(real, MAX_LAYERS, MAX_HEADS, max(block_size // TOKEN_SCALE, 1))
         drawn = min(-(-tokens // TOKEN_SCALE), MAX_DRAWN_TOKENS)
         moved = -(-drawn // small.block_size)
@@ -127,6 +115,8 @@ class Scales:
         real, small = self.real, self.small
         heads = "one MLA latent" if real.is_mla else f"{small.num_kv_heads} of {plural(real.num_kv_heads, 'kv head')}"
         cell = "one token's MLA latent" if real.is_mla else "one head's K or V of one token"
+        if real.quant is not None:
+            cell = f"{plural(real.quant.unit(real.head_size), 'byte')} of one head's {real.quant.name} row of one token"
         return (f"miniature: a drawn token = {TOKEN_SCALE} tokens, {small.num_layers} of "
                 f"{plural(real.num_layers, 'layer')}, {heads}; a cell = {cell} in one layer")
 
@@ -134,8 +124,10 @@ class Scales:
         """Cells per map row: whole pages of a block in one layer (or an even share of one,
         for long blocks), as many as make the map about the panel's shape; every tensor
         starts a row, so the lines parting them run along rows."""
-        tensors = np.bincount(address_labels(layout, self.small, self.num_blocks)["tensor"].numpy())
+        tensors = np.bincount(cell_labels(layout, self.small, self.num_blocks)["tensor"].numpy())
         page = self.small.block_size * self.small.num_kv_heads * _parts(layout, self.small)
+        if self.small.quant is not None:  # a cell is a few bytes of a row
+            page = cells_per_page(layout, self.small)
         square = math.sqrt(tensors.sum() / ASPECT)
         widths = [page * 2**k for k in range(10)] + [page // 2**k for k in range(1, 8) if page % 2**k == 0]
         return min((w for w in widths if not (tensors % w).any()), key=lambda w: abs(math.log(w / square)))
@@ -146,91 +138,22 @@ def _cache_blocks(small: ModelGeometry, moved: int) -> int:
     rounded up to whole map rows of a power of two blocks of one layer (and pairs of rows,
     for layouts with a tensor per K/V), as many as make the map about the panel's shape."""
     page = small.block_size * small.num_kv_heads * (1 if small.is_mla else 2)  # cells of a block in a layer
+    if small.quant is not None:
+        page *= small.row_size // small.quant.unit(small.head_size)
     per_row = 2 ** max(0, round(math.log2(math.sqrt(small.num_layers * (2 * moved + 1) / page / ASPECT))))
     return -(-(2 * moved + 1) // (2 * per_row)) * 2 * per_row
 
 
-@functools.lru_cache(maxsize=None)
-def measured_fits(results_dir: Path | None = None) -> tuple[CostFit, ...]:
-    """Each measured machine's cost model of an offload by its fastest batched copy method
-    (BATCHED, in order), from its transfer timings in ``results_dir`` (default data/results:
-    the committed ones and what `make run` added), fitted once per process."""
-    folder = Path(results_dir or committed_results_dir())
-    files = sorted(path for pattern in TRANSFER_RESULTS for path in folder.glob(pattern))
-    batched = [f for f in fit(load_results(files)) if f.direction == DIRECTION and f.method in BATCHED]
-    fastest: dict[str, CostFit] = {}
-    for f in sorted(batched, key=lambda f: BATCHED.index(f.method)):
-        fastest.setdefault(f.hardware, f)
-    return tuple(fastest[machine] for machine in sorted(fastest))
-
-
-@functools.lru_cache(maxsize=None)
-def this_machine() -> str:
-    """This machine as result rows name it (kvlab.results.fingerprint)."""
-    return fingerprint()["hardware"]
-
-
-def estimate_sources(fits: Sequence[CostFit], here: str) -> list[tuple[CostFit, str]]:
-    """The fits an estimate uses, each with whose machine it is: this machine's own where it
-    was measured, else every measured machine's, said plainly not to be this one."""
-    own = [f for f in fits if f.hardware == here]
-    if own:
-        return [(f, f"this machine ({short_hardware(here)})") for f in own]
-    return [(f, f"{short_hardware(f.hardware)}, not this machine") for f in fits]
-
-
-def numbers(model: str, layouts: Sequence[str], block_size: int, tokens: int, fits: Sequence[CostFit] | None = None,
-            here: str | None = None) -> tuple[list[str], pd.DataFrame]:
-    """The explorer's numbers: notes (how many times fewer copies one layout needs, what the
-    estimate rests on) and a table of the real transfer per layout with its
-    estimated time, machine and copy method (``fits``: default measured_fits(); ``here``:
-    default this machine)."""
-    if len(layouts) != 2:
-        raise ValueError(f"the explorer compares two layouts, got {list(layouts)}")
-    scales = Scales.of(model, block_size, tokens)
-    costs = [(name, transfer_cost(name, scales.real, tokens)) for name in layouts]
-    sources = estimate_sources(measured_fits() if fits is None else fits, this_machine() if here is None else here)
-    notes = [fewer_copies(costs)] + estimate_notes(scales.real.num_layers, sources)
-    return notes, pd.DataFrame([row for name, cost in costs for row in table_rows(name, cost, sources)])
-
-
-def fewer_copies(costs: Sequence[tuple[str, dict]]) -> str:
-    """'BLHNC needs 32x fewer copies than LBHNC for the same 32 MiB'."""
-    (few, low), (many, high) = sorted(costs, key=lambda item: item[1]["segments"])
-    same = f"the same {human_bytes(low['bytes_moved'])}"
-    if low["segments"] == high["segments"]:
-        return f"{few} and {many} need as many copies ({low['segments']:,}) for {same}"
-    return f"{few} needs {high['segments'] / low['segments']:.3g}x fewer copies than {many} for {same}"
-
-
-def estimate_notes(layers: int, sources: Sequence[tuple[CostFit, str]]) -> list[str]:
-    """Whose machine and which copy method each estimate comes from, its fitted costs and
-    the segment size from which a per-layer layout costs within 10 % of a cross-layer one."""
-    if not sources:
-        return [f"estimated {DIRECTION} time: no measured results"]
-    return [f"estimate measured on {machine}: {f.method} (batched), {_time(f.per_segment_s)} a copy + "
-            f"{f.bandwidth / 1e9:.3g} GB/s, break-even {human_bytes(round(f.break_even_segment_bytes(layers)))}"
-            for f, machine in sources]
-
-
-def table_rows(name: str, cost: dict, sources: Sequence[tuple[CostFit, str]]) -> list[dict]:
-    """One layout's real transfer, a row per machine estimated on."""
-    row = {"layout": name, "segments": cost["segments"], "mean segment": human_bytes(cost["mean_segment_bytes"]),
-           "bytes": human_bytes(cost["bytes_moved"])}
-    if not sources:
-        return [{**row, f"estimated {DIRECTION} time": "no measured results", "measured on": "", "copy method": ""}]
-    return [{**row, f"estimated {DIRECTION} time": _time(f.predict(cost["segments"], cost["bytes_moved"])),
-             "measured on": machine, "copy method": f.method} for f, machine in sources]
-
-
 def map_figure(model: str, layouts: Sequence[str], block_size: int, tokens: int,
-               colour_by: Sequence[str] | None = None) -> Figure:
+               colour_by: Sequence[str] | None = None, kv_format: str = "unquantized") -> Figure:
     """The miniature's memory maps: a column per layout, a row per colouring (default by
     layer, then by K/V or MLA part where every layout splits them, else by block), moved
     cells in colour and the rest grey, each row's legend naming exactly the colours drawn.
     The maps sit at fixed places, so only what they draw changes with the controls."""
-    scales = Scales.of(model, block_size, tokens)
+    scales = Scales.of(model, block_size, tokens, kv_format)
     colour_by = colour_by or ("layer", "part" if all(_parts(name, scales.small) == 2 for name in layouts) else "block")
+    if scales.small.quant is not None:
+        colour_by = (colour_by[0], "kind")
     width = LEFT + len(layouts) * (PANEL_W + GAP) + LEGEND_W
     height = TOP + len(colour_by) * (PANEL_H + GAP) + BOTTOM
     fig = Figure(figsize=(width, height), dpi=DPI, facecolor="white")  # not the inline backend's transparent
@@ -264,7 +187,7 @@ def _parts(layout: str, geometry: ModelGeometry) -> int:
 def _row_label(by: str, small: ModelGeometry) -> str:
     if by == "part":
         return "by MLA part" if small.is_mla else "by K/V"
-    return f"by {'drawn token' if by == 'token' else by}"
+    return f"by {'drawn token' if by == 'token' else 'byte kind' if by == 'kind' else by}"
 
 
 def legend_handles(maps: Sequence[Any], layouts: Sequence[str], scales: Scales, by: str) -> list[Any]:
@@ -272,7 +195,7 @@ def legend_handles(maps: Sequence[Any], layouts: Sequence[str], scales: Scales, 
     that share it, and one for the cells that stay: read back from the drawn images."""
     values: dict[tuple[float, ...], set[int]] = {}
     for ax, name in zip(maps, layouts):
-        labels = address_labels(name, scales.small, scales.num_blocks)[by].numpy()
+        labels = cell_labels(name, scales.small, scales.num_blocks)[by].numpy()
         cells = np.asarray(ax.images[0].get_array()).reshape(-1, 3)[: len(labels)]
         for colour, value in zip(map(tuple, cells.round(6)), labels):
             values.setdefault(colour, set()).add(int(value))
@@ -290,14 +213,16 @@ def _value_label(by: str, values: list[int], scales: Scales, layouts: Sequence[s
         return "latent + rope" if packed else scales.small.part_names[values[0]]
     if by == "token":
         return ", ".join(f"tokens {v * TOKEN_SCALE}-{(v + 1) * TOKEN_SCALE - 1}" for v in values)
+    if by == "kind":
+        return ", ".join(KINDS[v] for v in values)
     shown = ", ".join(map(str, values[:2])) + (", …" if len(values) > 2 else "")
     return f"{by}{'s' * (len(values) > 1)} {shown}"
 
 
-def map_png(model: str, layouts: Sequence[str], block_size: int, tokens: int) -> bytes:
+def map_png(model: str, layouts: Sequence[str], block_size: int, tokens: int, kv_format: str = "unquantized") -> bytes:
     """The map as PNG at the figure's own resolution (100 % zoom: text at its stated size)."""
     buffer = io.BytesIO()
-    map_figure(model, layouts, block_size, tokens).savefig(buffer, format="png", dpi=DPI)
+    map_figure(model, layouts, block_size, tokens, kv_format=kv_format).savefig(buffer, format="png", dpi=DPI)
     return buffer.getvalue()
 
 
@@ -314,14 +239,20 @@ def numbers_html(notes: Sequence[str], table: pd.DataFrame) -> str:
             f"{table.to_html(index=False, border=0)}</div>")
 
 
+def _options(model: str, kv_format: str) -> list[str]:
+    """The paged layouts that hold ``model``'s KV in ``kv_format``."""
+    return compatible_layouts(kv_geometry(model, kv_format), chunk_formats=False)
+
+
 def explorer_widget(model: str = "llama-3.1-8b", layouts: Sequence[str] = ("LBHNC", "BLHNC"), block_size: int = 16,
-                    tokens: int = 256) -> Any:
+                    tokens: int = 256, kv_format: str = "unquantized") -> Any:
     """The live explorer: controls in a column beside the map, the numbers below both."""
     import ipywidgets as widgets
 
-    options = compatible_layouts(preset(model), chunk_formats=False)
+    options = _options(model, kv_format)
     narrow = {"style": {"description_width": "70px"}, "layout": widgets.Layout(width="250px")}
     model_w = widgets.Dropdown(options=sorted(PRESETS), value=model, description="model", **narrow)
+    format_w = widgets.Dropdown(options=KV_FORMATS, value=kv_format, description="KV format", **narrow)
     first = widgets.Dropdown(options=options, value=layouts[0], description="layout A", **narrow)
     second = widgets.Dropdown(options=options, value=layouts[1], description="layout B", **narrow)
     block_w = widgets.Dropdown(options=BLOCK_SIZES, value=block_size, description="block size", **narrow)
@@ -330,8 +261,8 @@ def explorer_widget(model: str = "llama-3.1-8b", layouts: Sequence[str] = ("LBHN
     # The numbers and the map are widget values, replaced in place on every change.
     numbers_w = widgets.HTML()
     picture = widgets.Image(format="png")
-    controls = {"model": model_w, "layout-a": first, "layout-b": second, "block-size": block_w, "tokens": tokens_w,
-                "numbers": numbers_w, "map": picture}
+    controls = {"model": model_w, "kv-format": format_w, "layout-a": first, "layout-b": second,
+                "block-size": block_w, "tokens": tokens_w, "numbers": numbers_w, "map": picture}
     for role, widget in controls.items():
         widget.add_class(f"kvlab-explorer-{role}")  # CSS handles for the tests (tests/runtime/test_lab.py)
 
@@ -342,8 +273,8 @@ def explorer_widget(model: str = "llama-3.1-8b", layouts: Sequence[str] = ("LBHN
             return
         chosen = [first.value, second.value]
         try:
-            notes, table = numbers(model_w.value, chosen, block_w.value, tokens_w.value)
-            png = map_png(model_w.value, chosen, block_w.value, tokens_w.value)
+            notes, table = numbers(model_w.value, chosen, block_w.value, tokens_w.value, kv_format=format_w.value)
+            png = map_png(model_w.value, chosen, block_w.value, tokens_w.value, format_w.value)
         except ValueError as exc:
             numbers_w.value = f"<p>error: {html.escape(str(exc))}</p>"
             return
@@ -352,9 +283,14 @@ def explorer_widget(model: str = "llama-3.1-8b", layouts: Sequence[str] = ("LBHN
 
     def on_model(change: dict) -> None:
         nonlocal updating
-        options = compatible_layouts(preset(change["new"]), chunk_formats=False)
+        try:
+            options = _options(model_w.value, format_w.value)
+        except ValueError as exc:  # a head size the format cannot pack
+            numbers_w.value = f"<p>error: {html.escape(str(exc))}</p>"
+            return
+        cross = next((name for name in options if get_layout(name).is_cross_layer), options[-1])
         updating = True
-        for dropdown, fallback in ((first, options[0]), (second, "BLHNC")):
+        for dropdown, fallback in ((first, options[0]), (second, cross)):
             keep = dropdown.value if dropdown.value in options else fallback
             dropdown.options = options
             dropdown.value = keep
@@ -362,28 +298,30 @@ def explorer_widget(model: str = "llama-3.1-8b", layouts: Sequence[str] = ("LBHN
         redraw()
 
     model_w.observe(on_model, names="value")
+    format_w.observe(on_model, names="value")
     for widget in (first, second, block_w, tokens_w):
         widget.observe(redraw, names="value")
     redraw()
-    column = widgets.VBox([model_w, first, second, block_w, tokens_w, widgets.HTML(ABOUT)],
+    column = widgets.VBox([model_w, format_w, first, second, block_w, tokens_w, widgets.HTML(ABOUT)],
                           layout=widgets.Layout(width="260px", min_width="260px"))
     return widgets.VBox([widgets.HBox([column, picture]), numbers_w])
 
 
 def explore(model: str = "llama-3.1-8b", layouts: Sequence[str] = ("LBHNC", "BLHNC"), block_size: int = 16,
-            tokens: int = 256, interactive: bool = True) -> None:
+            tokens: int = 256, interactive: bool = True, kv_format: str = "unquantized") -> None:
     """The live explorer (``interactive``; its first view as a plain picture for copies
     saved without widget state), then that view as a picture, notes and a table: what saved,
     exported and headless (``interactive=False``) copies of the notebook keep."""
     from IPython.display import HTML, Image, display
 
-    picture = map_png(model, layouts, block_size, tokens)
-    notes, table = numbers(model, layouts, block_size, tokens)
+    picture = map_png(model, layouts, block_size, tokens, kv_format)
+    notes, table = numbers(model, layouts, block_size, tokens, kv_format=kv_format)
     if interactive:
-        bundle = explorer_widget(model, layouts, block_size, tokens)._repr_mimebundle_()
+        bundle = explorer_widget(model, layouts, block_size, tokens, kv_format)._repr_mimebundle_()
         display({**bundle, "image/png": base64.b64encode(picture).decode()}, raw=True)
         display(HTML("<p>The explorer's first view, kept by saved and exported copies of this notebook:</p>"))
-    display(Image(picture, alt=f"memory maps of {' and '.join(layouts)} moving {tokens} tokens of {model}, "
+    kv = "" if kv_format == "unquantized" else f" in {kv_format}"
+    display(Image(picture, alt=f"memory maps of {' and '.join(layouts)} moving {tokens} tokens of {model}{kv}, "
                                f"block size {block_size}"))
     display(HTML(notes_html(notes)))
     display(table.set_index("layout"))

@@ -21,6 +21,7 @@ import torch
 from kvlab.cache.allocation import KVCache, allocations, from_storage
 from kvlab.cache.geometry import DTYPES, ModelGeometry, dtype_name
 from kvlab.cache.layouts import LAYOUTS
+from kvlab.cache.quant import QUANTS
 from kvlab.store.keys import valid_key
 
 _MAGIC = b"KVLAB-CHUNK-1\n"
@@ -90,7 +91,16 @@ _GEOMETRY_FIELDS = {f.name for f in fields(ModelGeometry)}
 def _geometry_fields(g: ModelGeometry) -> dict:
     return {"name": g.name, "num_layers": g.num_layers, "num_kv_heads": g.num_kv_heads,
             "head_size": g.head_size, "dtype": dtype_name(g.dtype), "block_size": g.block_size,
-            "kv_lora_rank": g.kv_lora_rank, "qk_rope_head_dim": g.qk_rope_head_dim}
+            "kv_lora_rank": g.kv_lora_rank, "qk_rope_head_dim": g.qk_rope_head_dim,
+            "quant": g.quant.name if g.quant else None}
+
+
+def _known_dtype(geometry: dict) -> bool:
+    """A KV dtype, or the storage of the quantized format the geometry names."""
+    quant = geometry.get("quant")
+    if quant is None:
+        return geometry.get("dtype") in DTYPES
+    return quant in QUANTS and geometry.get("dtype") == dtype_name(QUANTS[quant].storage)
 
 
 def encode_header(chunk: Chunk, auth_key: bytes | None = None) -> bytes:
@@ -165,10 +175,10 @@ def parse_header(f: BinaryIO, chunk_key: str, size: int | None) -> Header:
     if header.get("num_blocks") != len(keys) or not _is_int(header.get("num_blocks")):
         raise ValueError("num_blocks must be the number of block keys")
     geometry = header.get("geometry")
-    if not isinstance(geometry, dict) or set(geometry) != _GEOMETRY_FIELDS or geometry.get("dtype") not in DTYPES \
+    if not isinstance(geometry, dict) or set(geometry) != _GEOMETRY_FIELDS or not _known_dtype(geometry) \
             or not isinstance(geometry.get("name"), str) \
             or not all(_is_int(v) or (v is None and k in ("kv_lora_rank", "qk_rope_head_dim"))
-                       for k, v in geometry.items() if k not in ("name", "dtype")):
+                       for k, v in geometry.items() if k not in ("name", "dtype", "quant")):
         raise ValueError("geometry does not have the expected fields")
     try:
         g = ModelGeometry(**geometry)

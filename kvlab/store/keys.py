@@ -56,7 +56,8 @@ def shard_key(key: str, rank: int, workers: int) -> str:
 def signature(cache: KVCache) -> str:
     """What a chunk must match to be loaded into ``cache``: model geometry, dtype, layout."""
     g = cache.geometry
-    return (f"{g.name}|L{g.num_layers}|H{g.num_kv_heads}|D{g.head_size}|{dtype_name(g.dtype)}"
+    quant = f"|{g.quant.name}" if g.quant else ""  # rows of another format may have the same size
+    return (f"{g.name}|L{g.num_layers}|H{g.num_kv_heads}|D{g.head_size}|{dtype_name(g.dtype)}{quant}"
             f"|BS{g.block_size}|{cache.layout.name}")
 
 

@@ -24,10 +24,11 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput
 from kvlab import hooks
 from kvlab.cache.allocation import allocate, layer_name
 from kvlab.cache.geometry import ModelGeometry
+from kvlab.cache.hybrid import HybridGeometry
 from kvlab.cache.layouts import GENERATIONS
 from kvlab.connector.connector import KVLabConnector
 from kvlab.connector.messages import KVLabMetadata
-from kvlab.connector.vllm_views import vllm_layer_views
+from kvlab.connector.vllm_views import vllm_hybrid, vllm_layer_views
 
 
 def stand_in_config(geometry: ModelGeometry, extra: dict | None = None, model: str | None = None,
@@ -45,7 +46,8 @@ def stand_in_config(geometry: ModelGeometry, extra: dict | None = None, model: s
                                 kv_load_failure_policy="recompute")
     return SimpleNamespace(kv_transfer_config=transfer, model_config=model,
                            parallel_config=SimpleNamespace(tensor_parallel_size=workers),
-                           cache_config=SimpleNamespace(block_size=geometry.block_size, cache_dtype="auto"))
+                           cache_config=SimpleNamespace(block_size=geometry.block_size,
+                                                        cache_dtype=geometry.quant.name if geometry.quant else "auto"))
 
 
 def connector_pair(geometry: ModelGeometry, num_blocks: int, extra: dict | None = None,
@@ -71,6 +73,19 @@ def connector_group(geometry: ModelGeometry, num_blocks: int, extra: dict | None
         group.append(worker)
     _AGGREGATORS[scheduler] = KVOutputAggregator(workers)
     return scheduler, group
+
+
+def hybrid_connector_pair(hybrid: HybridGeometry, layout: str, num_blocks: int, extra: dict | None = None
+                          ) -> tuple[KVLabConnector, KVLabConnector, dict[str, torch.Tensor]]:
+    """A scheduler side and a worker side of an engine serving a hybrid model, both given
+    vLLM's own KV cache config of its groups, and the views vLLM's allocator makes for the
+    worker to register (kvlab.connector.vllm_views.vllm_hybrid)."""
+    kv_config, views = vllm_hybrid(hybrid, layout, num_blocks)
+    first = next(group.geometry for group in hybrid.groups if group.is_attention)
+    config = stand_in_config(first.with_(num_layers=len(views)), extra)
+    scheduler = KVLabConnector(config, KVConnectorRole.SCHEDULER, kv_config)
+    _AGGREGATORS[scheduler] = KVOutputAggregator(1)
+    return scheduler, KVLabConnector(config, KVConnectorRole.WORKER, kv_config), views
 
 
 # What vLLM's executor keeps beside each engine's scheduler: the combiner of its workers'

@@ -19,11 +19,12 @@ from matplotlib.text import Text
 
 from kvlab.cache.allocation import address_labels
 from kvlab.cache.geometry import preset
-from kvlab.cache.layouts import compatible_layouts
+from kvlab.cache.fits import compatible_layouts
 from kvlab.plotting.atlas import COLOUR_BY
 from kvlab.plotting.common import BLACK, legend_labels, plural
 from kvlab.plotting.explorer import (BLOCK_SIZES, DPI, MAX_HEADS, PANEL_H, PANEL_W, TOKENS, Scales, map_figure,
-                                     map_png, measured_fits, numbers, this_machine)
+                                     map_png, numbers)
+from kvlab.plotting.explorer_numbers import measured_fits, this_machine
 from kvlab.results import fingerprint
 
 DEFAULT = ("llama-3.1-8b", ["LBHNC", "BLHNC"], 16, 256)

@@ -13,17 +13,19 @@ import matplotlib.text  # noqa: E402
 import pytest  # noqa: E402
 
 from kvlab.cache import compatible_layouts, preset, sweep  # noqa: E402
+from kvlab.cache.hybrid import hybrid_miniature  # noqa: E402
 from kvlab.plotting import common  # noqa: E402
 from kvlab.plotting import (  # noqa: E402
     accuracy_figure, atlas, bandwidth_vs_tokens, break_even_figure, comparison_figure, cost_model_figure,
-    deployed_figure, engine_layouts_figure, hardware_figure, hooks_timeline, layerwise_figure, memory_map, miniature, network_tier_figure,
-    registration_figure, segment_scaling, segments_by_layout, transfer_ratios,
+    deployed_figure, engine_layouts_figure, hardware_figure, hooks_timeline, hybrid_map, layerwise_figure, memory_map,
+    miniature, network_tier_figure, registration_figure, segment_scaling, segments_by_layout, transfer_ratios,
     ttft_figure, costs_by_length_figure, lookup_scaling_figure, concurrency_figure, scale_prediction_figure,
     published_figure, layout_question_figure,
 )
 from kvlab.results import committed_results_dir, load_results, results_for  # noqa: E402
 
 LLAMA = preset("llama-3.1-8b")
+HYBRID = hybrid_miniature()
 
 
 def committed(stem: str) -> list[dict]:
@@ -171,6 +173,7 @@ def comparison(**kw):
 FIGURES = {
     "memory_map": lambda **kw: memory_map(["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BHLNC"], miniature(LLAMA), **kw),
     "atlas": lambda **kw: atlas(compatible_layouts(miniature(LLAMA)), miniature(LLAMA), **kw),
+    "hybrid_map": lambda **kw: hybrid_map(HYBRID, ["LBHNC", "BLHNC"], [0, 1, 2, 0, 1, 2], 32, moved=(0, [0, 3]), **kw),
     "segment_scaling": lambda **kw: segment_scaling(sweep(
         ["LBHNC", "BLHNC", "flash_attn_v0.12", "ascend_kv_tuple"], LLAMA, [2 ** k for k in range(4, 14)],
         [16, 32, 64, 128]), "Llama-3.1-8B, bf16, scattered blocks", **kw),
@@ -208,7 +211,7 @@ def test_every_figure_function_is_drawn_here():
     import kvlab.plotting
 
     named = {"memory_map", "atlas", "segment_scaling", "segments_by_layout", "transfer_ratios", "bandwidth_vs_tokens",
-             "hooks_timeline"}
+             "hooks_timeline", "hybrid_map"}
     functions = {name for name in kvlab.plotting.__all__
                  if name.endswith("_figure") and name != "save_figure" or name in named}
     assert functions == set(FIGURES)

@@ -55,11 +55,15 @@ def test_atlas_draws_every_layout():
     from kvlab.cache import LAYOUTS, Holds
     from kvlab.plotting import atlas
 
-    names = [n for n, layout in LAYOUTS.items() if layout.requires is not Holds.MLA]
+    names = [n for n, layout in LAYOUTS.items() if layout.requires is not Holds.MLA and layout.scales != "regions"]
     fig = atlas(names, miniature(preset("llama-3.1-8b")), columns=6)
     drawn = [ax.get_xlabel().replace("\n", " ") for ax in fig.axes if ax.images]
     assert sorted(name for labels in drawn for name in labels.split(", ")) == sorted(names)
     assert len(drawn) < len(names)  # layouts drawing the same map share it
+    nvfp4 = [n for n, layout in LAYOUTS.items() if layout.scales == "regions"]  # NVFP4's own, with its geometry
+    fig = atlas(nvfp4, miniature(preset("llama-3.1-8b")).quantized("nvfp4"), by="kind")
+    drawn = [ax.get_xlabel().replace("\n", " ") for ax in fig.axes if ax.images]
+    assert sorted(name for labels in drawn for name in labels.split(", ")) == sorted(nvfp4)
 
 
 def test_a_figure_names_the_machines_and_profiles_it_shows(tmp_path):
