@@ -211,7 +211,8 @@ def concurrency_sweep(model: str, ids: list[int], levels: tuple[int, ...] = CONC
                     batch = [heads[i % prefixes] + ids[offset + i: offset + i + suffix_tokens] for i in range(count)]
                     offset += count
                     runs.append(_serve(server, batch, level))
-                rows.append({"server": name, "concurrency": level, "compute_threads": threads, **_pooled(runs)})
+                rows.append({"server": name, "model": Path(model).name, "concurrency": level,
+                             "compute_threads": threads, **_pooled(runs)})
     return rows
 
 
