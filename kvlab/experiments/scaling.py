@@ -157,6 +157,7 @@ def compute_threads(log: str) -> int | None:
 
 
 UNPINNED = "KVLabConnector, vLLM's own thread choice"  # the artefact the pin removes, measured beside it
+STARTUP_TIMEOUT_S = 900.0
 
 
 def concurrency_sweep(model: str, ids: list[int], levels: tuple[int, ...] = CONCURRENCY, repeats: int = 3,
@@ -187,16 +188,17 @@ def concurrency_sweep(model: str, ids: list[int], levels: tuple[int, ...] = CONC
     if span + requests + suffix_tokens > len(ids):
         raise ValueError(f"need {span + requests + suffix_tokens} token ids, got {len(ids)}")
     heads = [ids[i * prefix_tokens:(i + 1) * prefix_tokens] for i in range(prefixes)]
+    # vLLM's defaults compile the model at start-up: minutes on a small, busy machine
+    common = {"vllm_defaults": True, "startup_timeout": STARTUP_TIMEOUT_S}
     servers = {
-        "KVLabConnector": VLLMServer(model, "kvlab", {}, vllm_defaults=True, env=SAME_THREADS),
-        "vLLM prefix cache": VLLMServer(model, "none", vllm_defaults=True, env=SAME_THREADS),
-        "no cache": VLLMServer(model, "none", vllm_defaults=True, env=SAME_THREADS,
-                               args=("--no-enable-prefix-caching",)),
-        "KVLabConnector alone": VLLMServer(model, "kvlab", {}, vllm_defaults=True, env=SAME_THREADS,
-                                           args=("--no-enable-prefix-caching",)),
+        "KVLabConnector": VLLMServer(model, "kvlab", {}, env=SAME_THREADS, **common),
+        "vLLM prefix cache": VLLMServer(model, "none", env=SAME_THREADS, **common),
+        "no cache": VLLMServer(model, "none", env=SAME_THREADS, args=("--no-enable-prefix-caching",), **common),
+        "KVLabConnector alone": VLLMServer(model, "kvlab", {}, env=SAME_THREADS, args=("--no-enable-prefix-caching",),
+                                           **common),
     }
     if unpinned:
-        servers[UNPINNED] = VLLMServer(model, "kvlab", {}, vllm_defaults=True)
+        servers[UNPINNED] = VLLMServer(model, "kvlab", {}, **common)
     rows = []
     offset = span  # every request's suffix is new, across servers too
     for name, server in progress(servers.items(), desc="servers", unit="server"):
