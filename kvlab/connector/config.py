@@ -71,7 +71,7 @@ class ConnectorConfig:
     disk_bytes: int = 16 << 30
     shm_bytes: int = 4 << 30
     chunk_size: int | None = None  # tokens per stored chunk; default 256 rounded to blocks
-    method: str = "auto"  # a kvlab.transfer copy method; "auto": the fastest that runs here (COPY_PREFERENCE)
+    method: str = "auto"  # a kvlab.transfer copy method; "auto": the most preferred that runs here (CopyMethod.preference)
     verify: str = "disk"  # "disk": CRC of every chunk read from a shared tier; "always": also in memory
     async_saves: bool = True  # saves run beside the forward; a request's blocks are held until saved
     # "file:/path" or "env:VARIABLE" naming a secret of 16+ bytes: every chunk of a shared tier then
