@@ -40,7 +40,7 @@ def lmcache_redis_costs(url: str, geometry: ModelGeometry, tokens: int = 2048, c
                      {"PYTHONHASHSEED": "0", "LMCACHE_LOG_LEVEL": "WARNING", "LMCACHE_TRACK_USAGE": "false"})
 
 
-class _NoVLLM:
+class NoVLLM:
     """Refuse ``import vllm`` in this process: LMCache's token database tries it only to find
     a hash function and falls back to Python's own, which it uses here anyway."""
 
@@ -79,7 +79,7 @@ def kv2ltd_connector(source: Any, target: Any) -> Any:
 
 
 def _child(job_path: str, out_path: str) -> None:
-    sys.meta_path.insert(0, _NoVLLM())
+    sys.meta_path.insert(0, NoVLLM())
     import redis
     import torch
     from lmcache.v1.cache_engine import LMCacheEngineBuilder

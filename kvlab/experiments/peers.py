@@ -235,9 +235,9 @@ def _wait_for_keys(count: dict, timeout: float = 60) -> None:
 def _lmcache_child(job: dict) -> dict:
     """LMCache's engine beside a transformers model: A prefills, decodes, stores; B
     retrieves, recomputes the last prompt token, decodes."""
-    from kvlab.experiments.lmcache_redis import _NoVLLM, kv2ltd_connector
+    from kvlab.experiments.lmcache_redis import NoVLLM, kv2ltd_connector
 
-    sys.meta_path.insert(0, _NoVLLM())
+    sys.meta_path.insert(0, NoVLLM())
     import torch
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
     from lmcache.v1.config import LMCacheEngineConfig

@@ -24,7 +24,6 @@ from kvlab.runtime.progress import progress
 from kvlab.testing.compare import same_outputs
 from kvlab.testing.engine import EngineSpec, check_inputs, run_engine
 
-LENGTHS = (512, 2048, 8000)  # SmolLM2 holds 8192 tokens
 CONCURRENCY = (1, 4, 16, 32)
 SHARED_TIERS = ("shm", "disk", "redis")
 EXAMPLE_MAX_TOKENS = 4096  # vLLM's CPU engine computes at most this many tokens per step (max_num_batched_tokens)

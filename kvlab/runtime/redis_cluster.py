@@ -25,7 +25,6 @@ from kvlab.runtime.redis import RedisError, RedisServer, new_password_folder
 from kvlab.runtime.servers import HOST, free_port
 from kvlab.store.secrets import CLUSTER_SCHEME, PASSWORD_FILE
 
-SLOTS = 16384
 CREATE_TIMEOUT_S = 60.0
 
 

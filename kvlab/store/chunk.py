@@ -25,7 +25,7 @@ from kvlab.cache.quant import QUANTS
 from kvlab.store.keys import valid_key
 
 _MAGIC = b"KVLAB-CHUNK-1\n"
-_SUFFIX = ".kvchunk"
+FILE_SUFFIX = ".kvchunk"
 _MAX_HEADER_BYTES = 1 << 20
 _MAX_CHUNK_BLOCKS = 1 << 16
 # Bytes read first where a header is read by range: a chunk of up to ~100 blocks has one this long.

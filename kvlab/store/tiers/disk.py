@@ -17,7 +17,7 @@ from typing import BinaryIO
 import numpy as np
 import torch
 
-from kvlab.store.chunk import _SUFFIX, Chunk, Header, authentic, chunk_from, encode_header, parse_header, payload
+from kvlab.store.chunk import FILE_SUFFIX, Chunk, Header, authentic, chunk_from, encode_header, parse_header, payload
 from kvlab.store.keys import valid_key
 from kvlab.store.safe_paths import Folder, open_folder
 from kvlab.store.tiers.backoff import Backoff
@@ -216,7 +216,7 @@ class DiskTier:
         ever built from what a file holds)."""
         if not valid_key(chunk_key):
             raise ValueError(f"not a chunk key (32 hex digits): {chunk_key!r}")
-        return f"{chunk_key}{_SUFFIX}"
+        return f"{chunk_key}{FILE_SUFFIX}"
 
     def _payload(self, f: BinaryIO, path: Path, header: Header) -> torch.Tensor:
         """The payload, read into memory in one call."""
@@ -272,7 +272,7 @@ class DiskTier:
     def _files(self) -> list[tuple[str, int, int]]:
         """Every chunk and temporary file's name with its size and last use (ns), oldest first."""
         try:
-            entries = self._folder.entries(lambda name: name.endswith(_SUFFIX) or bool(TMP_FILE.match(name)))
+            entries = self._folder.entries(lambda name: name.endswith(FILE_SUFFIX) or bool(TMP_FILE.match(name)))
         except OSError:
             return []
         return sorted(((name, stat.st_size, stat.st_mtime_ns) for name, stat in entries), key=lambda f: f[2])
@@ -289,8 +289,8 @@ class DiskTier:
         for name, size, _ in files:
             if total + incoming <= self.capacity_bytes:
                 break
-            if name.endswith(_SUFFIX):
-                self._forget(name.removesuffix(_SUFFIX))
+            if name.endswith(FILE_SUFFIX):
+                self._forget(name.removesuffix(FILE_SUFFIX))
                 if self._unlink(name):
                     self.stats.evicted += 1
                     total -= size
@@ -331,7 +331,7 @@ class DiskTier:
         """A damaged file: counted, forgotten, removed when the folder allows it."""
         self.stats.corrupt += 1
         self._log_once(why, f"KVLabConnector store: dropping {self.path / name} ({error}); recomputing instead")
-        chunk_key = name.removesuffix(_SUFFIX)
+        chunk_key = name.removesuffix(FILE_SUFFIX)
         self._forget(chunk_key)
         kept = None if self._unlink(name) else self.identity(chunk_key)
         if kept is not None:  # not indexed again unless it is rewritten
