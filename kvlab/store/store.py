@@ -63,8 +63,8 @@ class KVStore:
     user included, cannot forge a chunk.
 
     Thread-safe: one lock guards the memory tier. The shared tiers' reads and writes run
-    outside it (each is safe for several processes at once), so a memory hit never waits
-    for a disk or Redis write.
+    outside it (each is safe for several processes at once, and guards what it keeps in
+    memory with a lock of its own), so a memory hit never waits for a disk or Redis write.
     """
 
     capacity_bytes: int = 2 << 30

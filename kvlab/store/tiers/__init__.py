@@ -9,13 +9,14 @@ counted in :class:`StoreStats` and logged once; a shared tier that failed pauses
 one back-off (kvlab.store.tiers.backoff)."""
 
 from kvlab.store.tiers.backoff import RETRY_FIRST_S, RETRY_MAX_S, Backoff
-from kvlab.store.tiers.disk import DiskTier, SharedMemoryTier, open_disk, open_shm
+from kvlab.store.tiers.disk import DiskTier, open_disk
 from kvlab.store.tiers.folders import STALE_TMP_S
 from kvlab.store.tiers.lru import BookedTier, LRUBook
 from kvlab.store.tiers.memory import MemoryTier, open_memory
 from kvlab.store.tiers.mooncake import MooncakeTier, open_mooncake
 from kvlab.store.tiers.protocol import Tier
 from kvlab.store.tiers.redis import RedisTier, open_redis
+from kvlab.store.tiers.shm import SharedMemoryTier, open_shm
 from kvlab.store.tiers.registry import (
     TierKind,
     open_tiers,
