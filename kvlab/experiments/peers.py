@@ -97,13 +97,13 @@ def mooncake_peers(workdir: str | Path, model: str | Path | None = None, peers: 
             rows.append(row)
     if PEERS[3] in peers:  # kvlab's own tier, on the master's default lease
         with MooncakeStore(segment_mb=512, log_dir=workdir) as store:
-            rows.append(_kvlab_pair(PEERS[3], "mooncake", {"tiers": ["mooncake"], "mooncake_url": store.url}, job,
+            rows.append(_kvlab_pair(PEERS[3], "mooncake", {"tiers": ["mooncake"], "mooncake": {"url": store.url}}, job,
                                     lambda: [store.keys()]))
     if not {PEERS[2], PEERS[4]} & set(peers):
         return rows
     with RedisCluster(nodes=3, log_dir=workdir) as cluster:
         if PEERS[4] in peers:
-            rows.append(_kvlab_pair(PEERS[4], "redis cluster", {"tiers": ["redis"], "redis_url": cluster.url}, job,
+            rows.append(_kvlab_pair(PEERS[4], "redis cluster", {"tiers": ["redis"], "redis": {"url": cluster.url}}, job,
                                     cluster.keys_per_node))
             cluster.flush()
         if PEERS[2] not in peers:

@@ -39,10 +39,10 @@ class EngineSpec:
     "warm-<damage>" ("warm-zeroed", "warm-noise-1pct", ... from kvlab.store.damage.DAMAGES)
     runs after everything else: KVLabConnector's in-memory chunks are damaged that way first
     (and put back after), so its outputs show how a check moves when the reloaded KV is bad.
-    "warm-redis-down" runs last: the Redis server of ``extra["redis_url"]`` is shut down
+    "warm-redis-down" runs last: the Redis server of the connector's redis tier is shut down
     first, as a crash would, so the connector must miss (or fail its loads) and recompute (of
     a Redis Cluster, the node the URL names: what it served misses, the rest hits);
-    "warm-mooncake-down" the same for the Mooncake master of ``extra["mooncake_url"]``.
+    "warm-mooncake-down" the same for the Mooncake master of its mooncake tier.
     "reload-<i>" runs last too: ``reloads[i]`` is loaded into the running engine first, as an
     RL trainer loads new weights (``{"weights": folder, "how": "path" or "iterator",
     "reset": "none", "prefix" or "connector"}``: ``Worker.reload_weights`` with
@@ -275,11 +275,11 @@ def _child(job_path: str, out_path: str) -> None:
         if phase == "warm-redis-down" and phase not in result["phases"]:  # once, before its first prompt
             from kvlab.runtime.redis import shut_down
 
-            shut_down(spec.extra["redis_url"])
+            shut_down(_tier_url(spec, "redis"))
         if phase == "warm-mooncake-down" and phase not in result["phases"]:
             from kvlab.runtime.mooncake import shut_down
 
-            shut_down(spec.extra["mooncake_url"])
+            shut_down(_tier_url(spec, "mooncake"))
         if phase.startswith("warm") and spec.prefix_caching:
             _reset(llm, in_process)  # vLLM's own copy goes; the connector's store stays
         start = time.perf_counter()
@@ -312,6 +312,13 @@ def _child(job_path: str, out_path: str) -> None:
         result["ranks"] = llm.collective_rpc(worker_calls.connector_stats)
         result["connector"] = result["ranks"][0]
     Path(out_path).write_text(json.dumps(result))
+
+
+def _tier_url(spec: EngineSpec, tier: str) -> str:
+    """The URL of the connector's ``tier``, as its config reads it."""
+    from kvlab.connector.config import ConnectorConfig
+
+    return ConnectorConfig.parse(spec.extra).tier_settings[tier].url
 
 
 def _reset(llm: Any, in_process: bool, reset_connector: bool = False, seconds: float = 60) -> None:

@@ -12,8 +12,9 @@ import re
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, ClassVar
 
 import torch
 
@@ -22,6 +23,7 @@ from kvlab.store.keys import valid_key
 from kvlab.store.safe_paths import Folder, open_folder
 from kvlab.store.tiers.backoff import Backoff
 from kvlab.store.tiers.folders import STALE_TMP_S, TMP_FILE, process_alive
+from kvlab.store.tiers.settings import TierSettings, check_bytes, check_folder, filesystem_room
 from kvlab.store.tiers.stats import StoreStats
 
 
@@ -371,8 +373,25 @@ class DiskTier:
         self._writes.log_once(kind, "%s", message)
 
 
-def open_disk(settings) -> DiskTier | None:  # noqa: ANN001 - a KVStore (kvlab.store.tiers.registry)
-    """A disk tier where the store has a ``disk_path``."""
-    if settings.disk_path is None:
-        return None
-    return DiskTier(Path(settings.disk_path), settings.disk_capacity_bytes, settings.stats, settings.auth_key)
+@dataclass(frozen=True)
+class DiskSettings(TierSettings):
+    """The disk tier's settings: its folder (``path``, absolute: every process of a store
+    names the same one) and its budget (``bytes``)."""
+
+    path: str
+    bytes: int = 16 << 30
+
+    FLAT_KEYS = {"disk_path": "path", "disk_bytes": "bytes"}
+    BUDGET = "bytes"
+    EXAMPLE: ClassVar[str] = "/var/cache/kvlab"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", check_folder("path", self.path, self.EXAMPLE))
+        check_bytes("bytes", self.bytes)
+
+    def room(self) -> tuple[int, str] | None:
+        return filesystem_room(self.path)
+
+
+def open_disk(settings: DiskSettings, store) -> DiskTier:  # noqa: ANN001 - a KVStore (kvlab.store.tiers.registry)
+    return DiskTier(Path(settings.path), settings.bytes, store.stats, store.auth_key)

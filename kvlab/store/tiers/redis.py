@@ -5,6 +5,7 @@ its own (kvlab.store.tiers.redis_cluster)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from kvlab.store.chunk import HEADER_PREFIX, Chunk, ForgedChunk, Header, from_bytes, header_length, to_bytes
@@ -13,6 +14,7 @@ from kvlab.store.tiers.backoff import Backoff
 from kvlab.store.tiers.redis_cluster import ClusterNodes, node_errors
 from kvlab.store.tiers.remote import CALL_TIMEOUT_S, checked_header, drop_corrupt, location
 from kvlab.store.tiers.resp import BulkReader
+from kvlab.store.tiers.settings import TierSettings, check_text
 from kvlab.store.tiers.stats import StoreStats
 
 
@@ -188,8 +190,20 @@ class RedisTier:
         drop_corrupt(self, self._backoff, "Redis", chunk_key, error)
 
 
-def open_redis(settings) -> RedisTier | None:  # noqa: ANN001 - a KVStore (kvlab.store.tiers.registry)
-    """A Redis tier where the store has a ``redis_url``."""
-    if settings.redis_url is None:
-        return None
-    return RedisTier(settings.redis_url, settings.stats, auth_key=settings.auth_key)
+@dataclass(frozen=True)
+class RedisSettings(TierSettings):
+    """The Redis tier's settings: the server's or the cluster's ``url`` (redis://host:port/db,
+    rediss://, redis-cluster://host:port; a password named by ``?password_file=`` or
+    ``?password_env=``: kvlab.store.secrets). Its server bounds its own bytes."""
+
+    url: str
+
+    FLAT_KEYS = {"redis_url": "url"}
+
+    def __post_init__(self) -> None:
+        check_text("url", self.url)
+        check_redis_url(self.url)
+
+
+def open_redis(settings: RedisSettings, store) -> RedisTier:  # noqa: ANN001 - a KVStore (kvlab.store.tiers.registry)
+    return RedisTier(settings.url, store.stats, auth_key=store.auth_key)

@@ -3,14 +3,16 @@ without copying: every process and engine on a host shares them."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
 
 from kvlab.store.chunk import Header
-from kvlab.store.tiers.disk import DiskTier
+from kvlab.store.tiers.disk import DiskSettings, DiskTier
 
 
 class SharedMemoryTier(DiskTier):
@@ -29,8 +31,21 @@ class SharedMemoryTier(DiskTier):
         return torch.from_numpy(mapped)
 
 
-def open_shm(settings) -> SharedMemoryTier | None:  # noqa: ANN001 - a KVStore (kvlab.store.tiers.registry)
-    """A shared-memory tier where the store has an ``shm_path``."""
-    if settings.shm_path is None:
-        return None
-    return SharedMemoryTier(Path(settings.shm_path), settings.shm_capacity_bytes, settings.stats, settings.auth_key)
+@dataclass(frozen=True)
+class SharedMemorySettings(DiskSettings):
+    """The shm tier's settings: its folder (``path``; ``/dev/shm/kvlab-<store_name>`` when not
+    given) and its budget (``bytes``)."""
+
+    bytes: int = 4 << 30
+
+    FLAT_KEYS = {"shm_path": "path", "shm_bytes": "bytes"}
+    EXAMPLE = "/dev/shm/kvlab-<name>"
+
+    @classmethod
+    def parse(cls, values: Mapping[str, Any], store_name: str = "default") -> SharedMemorySettings:
+        default = {"path": f"/dev/shm/kvlab-{store_name}"}
+        return super().parse({**default, **values} if isinstance(values, Mapping) else values, store_name)
+
+
+def open_shm(settings: SharedMemorySettings, store) -> SharedMemoryTier:  # noqa: ANN001 - a KVStore
+    return SharedMemoryTier(Path(settings.path), settings.bytes, store.stats, store.auth_key)
