@@ -104,10 +104,10 @@ def test_a_failed_request_is_planned_again_and_its_saves_resume(tiers) -> None:
     for path in chunk_files(root):
         path.unlink()
     step(scheduler, worker, schedule("b", PROMPT, [5, 6, 7, 8, 9], hit))
-    assert worker.worker._tainted == {"b"}
+    assert worker.worker.failures.saves_cancelled("b")
     assert scheduler.scheduler._requests["b"].next_chunk == 0, "every chunk planned again"
     settle(scheduler, worker)
-    assert worker.worker._tainted == set(), "the scheduler's replan reached the worker"
+    assert not worker.worker.failures.saves_cancelled("b"), "the scheduler's replan reached the worker"
 
 
 def test_a_vanished_shared_file_falls_back_to_the_next_tier(tiers) -> None:
