@@ -20,7 +20,7 @@ CROSS_LAYER_LAYOUT = "BLHNC"
 STORE_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]+")
 # The tiers a server serves to whoever reaches it: auth_key is their only check of who wrote a chunk.
 REMOTE_TIERS = ("redis", "mooncake")
-BOOLEANS = ("enable_cross_layers_blocks", "layerwise", "hooks", "async_saves")
+BOOLEANS = ("enable_cross_layers_blocks", "layerwise", "hooks", "async_saves", "strict")
 TEXTS = ("store_name", "store", "method", "verify", "auth_key")
 _warned: set[str] = set()  # flat keys whose warning this process logged
 
@@ -48,6 +48,9 @@ class ConnectorConfig:
     # carries an HMAC-SHA256 under it, and one without a valid MAC is never loaded (docs/reliability.md)
     auth_key: str | None = None
     store_name: str = "default"  # names the shared-memory folder and this process's counters
+    # raise, instead of recomputing, an error of a load or a save that is not the store's fault
+    # (kvlab.store.faults: a bug must not look like a recompute); kvlab.testing's engines and driver set it
+    strict: bool = False
     # each tier's settings (kvlab.store.tiers.TierSettings, None for a tier that takes none), from its dictionary
     tier_settings: Mapping[str, TierSettings | None] = field(default_factory=dict, hash=False)
 

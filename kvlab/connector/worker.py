@@ -23,12 +23,14 @@ from typing import Any
 
 from kvlab.cache.allocation import KVCache, view_parts
 from kvlab.connector.config import ConnectorConfig
+from kvlab.connector.errors import Errors
 from kvlab.connector.failures import FailureRules
 from kvlab.connector.messages import KVLabMetadata, KVLabWorkerMeta, LoadSpec, SaveSpec
 from kvlab.connector.registration import copy_method, cross_layer_decision, runs_per_block, tensor_parallel_rank
 from kvlab.connector.stores import ConnectorStats, worker_store
 from kvlab.connector.weights import watch_weight_loads, weights_epoch
 from kvlab.store.chunk import Chunk
+from kvlab.store.faults import FailedCheck
 from kvlab.store.keys import signature
 from kvlab.transfer.common import in_callers_mode
 from kvlab.transfer.engine import Transfer, host_buffer, run_all
@@ -64,6 +66,7 @@ class WorkerSide:
         self.method: str | None = None  # the copy method, chosen for the cache when it is registered
         self.signature: str | None = None
         self.failures = FailureRules()  # what a failed load means for what is stored
+        self.errors = Errors(config.strict, lambda: self.store.faults)  # logged, or raised in strict mode
         self._reported_signature = False
         self._layer_index: dict[str, int] = {}
         self._loads: list[LayerwiseLoad] = []
@@ -121,7 +124,7 @@ class WorkerSide:
         start = time.perf_counter()
         try:
             if meta.weights_epoch != weights_epoch(self.engine_id):
-                raise RuntimeError("the weights changed since these blocks were looked up")
+                raise FailedCheck("the weights changed since these blocks were looked up")
             self._start_loads(meta.loads)
         except Exception as error:  # a load that cannot run is recomputed, never fatal
             self._fail_loads(meta.loads, error)
@@ -180,12 +183,11 @@ class WorkerSide:
 
     def _fail_loads(self, loads: list[LoadSpec], error: Exception) -> None:
         """Hand every block of ``loads`` back to vLLM to recompute."""
+        self.errors.absorb("a load", error, f"vLLM recomputes its {sum(len(s.block_ids) for s in loads)} blocks")
         self._loads.clear()
         for spec in loads:
             self.failures.load_failed(spec.req_id, spec.block_ids)
         self.stats.load_errors += 1
-        logger.warning("KVLabConnector: a load failed (%s: %s); vLLM recomputes its %d blocks",
-                       type(error).__name__, error, sum(len(s.block_ids) for s in loads))
 
     def _segments(self, blocks: int, per_layer: bool) -> int:
         """Contiguous cache runs that moving ``blocks`` scattered blocks touches (all layers
@@ -219,6 +221,7 @@ class WorkerSide:
 
     # ---- saves -------------------------------------------------------------------------
     def wait_for_save(self, meta: KVLabMetadata | None) -> None:
+        self.errors.raise_pending()
         self._awake(meta is not None and meta.saves)
         if self._loads:  # a step whose layers never all waited (e.g. no attention ran)
             try:
@@ -289,6 +292,7 @@ class WorkerSide:
             job()
             return
         future = self._saver.submit(in_callers_mode(job))
+        future.add_done_callback(self.errors.job_done)
         if req_id is not None:
             with self._lock:
                 self._jobs.setdefault(req_id, []).append(future)
@@ -323,9 +327,7 @@ class WorkerSide:
             self.stats.saved_blocks += len(spec.block_ids)
         except Exception as error:  # nothing of it is stored; the request goes on
             self.stats.save_errors += 1
-            if self.stats.save_errors == 1:
-                logger.warning("KVLabConnector: a save failed (%s: %s); nothing of it is stored, requests go "
-                               "on (logged once; counted in save_errors)", type(error).__name__, error)
+            self.errors.absorb("a save", error, "nothing of it is stored, requests go on (counted in save_errors)")
         if spec.memory and kept:
             with self._lock:
                 self._stored[spec.block_keys[-1]] += 1
@@ -350,6 +352,7 @@ class WorkerSide:
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Finished requests whose saves are all done (vLLM frees their blocks now)."""
+        self.errors.raise_pending()
         self.failures.finished(finished_req_ids)
         with self._lock:
             self._finished |= {r for r in finished_req_ids if r in self._jobs}
@@ -374,6 +377,7 @@ class WorkerSide:
         """Wait for every queued save (at shutdown, before sleep, in tests)."""
         if self._saver is not None:
             self._saver.submit(lambda: None).result()
+        self.errors.raise_pending()
 
     def shutdown(self) -> None:
         self._fetchers.shutdown(wait=True)

@@ -4,6 +4,7 @@ shm, disk, redis, mooncake, each with its settings) composed by :class:`KVStore`
 torch only (redis-py for the Redis tier); docs/reliability.md says what it promises."""
 
 from kvlab.store.chunk import Chunk, ForgedChunk, checksum, from_bytes, to_bytes
+from kvlab.store.faults import FailedCheck, StoreFault, is_store_fault
 from kvlab.store.keys import block_hashes, folder_fingerprint, shard_key, signature, valid_key
 from kvlab.store.store import Fetched, KVStore, Stored
 from kvlab.store.tiers import (
@@ -29,4 +30,5 @@ __all__ = [
     "valid_key", "block_hashes", "signature", "folder_fingerprint", "checksum", "Chunk", "RETRY_FIRST_S",
     "RETRY_MAX_S", "STALE_TMP_S", "StoreStats", "Tier", "MemoryTier", "DiskTier", "KVStore", "Fetched", "Stored",
     "register_tier", "tier_names", "unregister_tier", "TierSettings", "BookedTier", "ForgedChunk", "from_bytes", "to_bytes",
+    "FailedCheck", "StoreFault", "is_store_fault",
 ]

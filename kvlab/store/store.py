@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from kvlab.store.chunk import Chunk, Header
+from kvlab.store.faults import FAULTS
 from kvlab.store.keys import holds, shard_key, valid_key
 from kvlab.store.tiers import (
     DiskTier,
@@ -116,6 +117,12 @@ class KVStore:
     def shared_names(self) -> tuple[str, ...]:
         """Their names, in lookup order (a scheduler asks this for every block it looks up)."""
         return self._shared_names
+
+    @property
+    def faults(self) -> tuple[type[BaseException], ...]:
+        """The errors that are this store's faults, not kvlab's (kvlab.store.faults): OSError,
+        StoreFault, and the errors each of its tiers names as its own."""
+        return (*FAULTS, *(kind for tier in (self._memory, *self._shared) for kind in getattr(tier, "errors", ())))
 
     @property
     def disk(self) -> DiskTier | None:

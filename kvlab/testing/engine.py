@@ -236,7 +236,9 @@ def _child(job_path: str, out_path: str) -> None:
     forced = job.get("forced") or [None] * len(job["prompts"])
     salts = job.get("salts") or [None] * len(job["prompts"])
     loras = [_lora_request(spec, name) for name in job.get("loras") or [None] * len(job["prompts"])]
-    transfer = kv_transfer_config(spec.connector, spec.extra, spec.workdir)
+    # KVLabConnector strict unless the spec says otherwise: a bug raises instead of recomputing
+    transfer = kv_transfer_config(spec.connector, {"strict": True, **spec.extra} if spec.connector == "kvlab"
+                                  else spec.extra, spec.workdir)
     if spec.connector == "lmcache":
         from kvlab.runtime.vllm_cpu import fix_vllm_cpu_kernel_scan
 

@@ -369,7 +369,9 @@ def test_an_unavailable_method_fails_at_start_up(monkeypatch) -> None:
 
 @pytest.mark.parametrize("layerwise", [False, True], ids=["whole-step", "layerwise"])
 def test_a_failing_save_or_load_never_reaches_the_request(monkeypatch, caplog, layerwise) -> None:
-    scheduler, worker = connectors(GQA, {"layerwise": layerwise})
+    """Not strict: every error is recomputed or stores nothing, and is logged each time, the
+    first of its kind with its traceback."""
+    scheduler, worker = connectors(GQA, {"layerwise": layerwise, "strict": False})
     register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
     prompt = list(range(4 * BS + 1))
 
@@ -380,7 +382,8 @@ def test_a_failing_save_or_load_never_reaches_the_request(monkeypatch, caplog, l
     with caplog.at_level(logging.WARNING, logger="kvlab.connector"):
         run_step(scheduler, worker, "a", prompt, [0, 1, 2, 3, 4], layerwise)
         run_step(scheduler, worker, "b", prompt, [5, 6, 7, 8, 9], layerwise)
-    assert worker.stats.save_errors == 2 and caplog.text.count("a save failed") == 1
+    assert worker.stats.save_errors == 2 and caplog.text.count("a save failed") == 2
+    assert caplog.text.count("Traceback (most recent call last)") == 1 and "in broken" in caplog.text
     monkeypatch.undo()
     run_step(scheduler, worker, "c", prompt, [0, 1, 2, 3, 4], layerwise)  # saved now
 
@@ -393,6 +396,43 @@ def test_a_failing_save_or_load_never_reaches_the_request(monkeypatch, caplog, l
     assert result["hit_tokens"] == 4 * BS
     assert result["report"].invalid_block_ids == {10, 11, 12, 13}, "handed back to vLLM to recompute"
     assert worker.stats.load_errors == 1
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole-step", "layerwise"])
+def test_strict_raises_what_is_not_the_stores_fault(monkeypatch, layerwise) -> None:
+    """The tests' connectors are strict (kvlab.testing.driver): a bug in a load or a save raises
+    instead of looking like a recompute, while a fault of the store (an OSError, a failed
+    check) is still recomputed or stores nothing."""
+    scheduler, worker = connectors(GQA, {"layerwise": layerwise})
+    register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
+    prompt = list(range(4 * BS + 1))
+
+    def no_room(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("kvlab.connector.worker.host_buffer", no_room)
+    run_step(scheduler, worker, "a", prompt, [0, 1, 2, 3, 4], layerwise)  # the store's fault: stores nothing
+    assert worker.stats.save_errors == 1
+    monkeypatch.undo()
+    run_step(scheduler, worker, "b", prompt, [5, 6, 7, 8, 9], layerwise)  # saved now
+
+    def bug(*args, **kwargs):
+        raise TypeError("a bug in a copy")
+
+    with monkeypatch.context() as patch:
+        patch.setattr("kvlab.connector.worker.run_all", bug)
+        patch.setattr("kvlab.transfer.Transfer.run", bug)
+        with pytest.raises((TypeError, RuntimeError), match="a bug in a copy|layerwise load failed") as raised:
+            prefill(scheduler, worker, "c", prompt, [10, 11, 12, 13, 14], layerwise)
+    assert "a bug in a copy" in repr(raised.value) + repr(raised.value.__cause__)
+    reset_stores()  # an engine whose connector raised is gone: a new one
+    scheduler, worker = connectors(GQA, {"layerwise": layerwise})
+    register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
+    with monkeypatch.context() as patch:  # a save's bug raises on the model runner's thread, not on the save thread
+        patch.setattr("kvlab.connector.worker.Chunk", bug)
+        with pytest.raises(TypeError, match="a bug in a copy"):
+            run_step(scheduler, worker, "d", prompt, [15, 16, 17, 18, 19], layerwise)
+    assert worker.worker.config.strict
 
 
 def test_another_engine_finds_a_prompts_last_chunk_in_a_shared_folder_and_saves_nothing_again(tmp_path) -> None:

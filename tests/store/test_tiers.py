@@ -252,3 +252,23 @@ def test_the_bulk_reader_reads_values_whole_and_names_what_it_cannot_read(redis_
         reader.get("a list")
     assert bytes(reader.get("v")) == value, "a fresh connection after the error"
     reader.close()
+
+
+def test_what_is_the_stores_fault() -> None:
+    """What the connector's strict mode still recomputes: an OSError, a failed check, a
+    store's fault, an error raised from one, and the errors a tier names as its client's."""
+    import redis
+
+    from kvlab.store import FailedCheck, ForgedChunk, StoreFault, is_store_fault
+
+    assert all(is_store_fault(e) for e in (OSError(28, "full"), FailedCheck("crc"), ForgedChunk("mac"), StoreFault()))
+    assert not is_store_fault(TypeError("a bug")) and not is_store_fault(ValueError("a bug"))
+    try:
+        try:
+            raise ConnectionError("reset")
+        except ConnectionError as cause:
+            raise RuntimeError("layerwise load failed") from cause
+    except RuntimeError as wrapped:
+        assert is_store_fault(wrapped)
+    store = KVStore(tiers={"redis": {"url": f"redis://127.0.0.1:{free_port()}/0"}})
+    assert is_store_fault(redis.ResponseError("LOADING"), store.faults) and not is_store_fault(redis.ResponseError())

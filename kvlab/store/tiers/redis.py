@@ -48,7 +48,7 @@ class RedisTier:
         self._backoff = Backoff()
         self.round_trips = 0
         self._cluster = ClusterNodes(url, timeout_s) if is_cluster_url(url) else None
-        self._errors = node_errors()
+        self.errors = node_errors()  # its client's errors: faults of the server, never of kvlab (kvlab.store.faults)
         if self._cluster is not None:
             self.client, self._bulk = None, None
             return
@@ -64,7 +64,7 @@ class RedisTier:
         """Raise ValueError naming the server unless it answers (at start-up)."""
         try:
             self._cluster.check() if self._cluster is not None else self.client.ping()
-        except self._errors as error:
+        except self.errors as error:
             raise ValueError(f"the Redis tier cannot reach {self.url} ({error})") from None
 
     # ---- lookups -------------------------------------------------------------------
@@ -184,7 +184,7 @@ class RedisTier:
     def _call(self, kind: str, operation: Callable[[], Any]) -> Any:
         if not self._backoff.paused:
             self.round_trips += 1
-        return self._backoff.call(self.stats, kind, operation, self._errors, f"Redis at {self.url}", "redis_skipped")
+        return self._backoff.call(self.stats, kind, operation, self.errors, f"Redis at {self.url}", "redis_skipped")
 
     def _reject(self, chunk_key: str, error: Exception) -> None:
         drop_corrupt(self, self._backoff, "Redis", chunk_key, error)
