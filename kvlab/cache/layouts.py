@@ -24,6 +24,8 @@ from typing import Any
 
 
 AXES = "LBSNHD"
+# Layout.role: what a connector adopting a vLLM cache takes a layout for, in the order it tries them.
+ROLES = ("mla", "cpu", "vllm", "")
 
 
 class Kind(Enum):
@@ -48,7 +50,12 @@ class Layout:
 
     ``mla_twin`` names the layout that plays this one's part for an MLA model (the Ascend
     tuple, LMCache's chunk); ``lmcache_peer`` the LMCache chunk format LMCache's own copy
-    function moves this paged layout to and from. ``scales`` says which quantized caches
+    function moves this paged layout to and from, and ``lmcache_pages`` how LMCache's CPU
+    fallback views each of its layers (axis groups, as ``view_shape``). ``role`` is what a
+    connector adopting a vLLM cache takes the layout for, tried in this order: "mla" (an MLA
+    model's latent cache), "cpu" (what vLLM's CPU attention reads; on a CPU only), "vllm"
+    (vLLM >= 0.29's own orders); "" after those. ``vllm_order`` names the KVCacheLayout of
+    vLLM >= 0.29 whose buffer the layout reads ("" for none). ``scales`` says which quantized caches
     (kvlab.cache.quant) it carries: rows with their scales "inline", "regions" (NVFP4: the
     order describes the page as vLLM views it, ``side_order`` what each K or V side holds:
     every (head, token) row's values, then their scales, heads outside tokens "HN" or inside
@@ -70,6 +77,9 @@ class Layout:
     lmcache_peer: str | None = None
     scales: str = "inline"
     side_order: str = ""
+    lmcache_pages: tuple[str, ...] = ()
+    role: str = ""
+    vllm_order: str = ""
 
     def __post_init__(self) -> None:
         # user input (register_layout takes any Layout): raised, not asserted, so python -O keeps it
@@ -82,6 +92,8 @@ class Layout:
         if sorted(self.view_order) != sorted(kept):
             raise ValueError(f"layout {self.name!r}: view_order must hold each axis of the order outside the layer "
                              f"axis and the split ones ({kept!r}) once, got {self.view_order!r}")
+        if self.role not in ROLES:
+            raise ValueError(f"layout {self.name!r}: role is one of {ROLES}, got {self.role!r}")
         if self.scales not in ("inline", "regions", "") or (self.scales == "regions") != (self.side_order in ("HN", "NH")):
             raise ValueError(f"layout {self.name!r}: scales is 'inline', 'regions' (with side_order 'HN' or 'NH') "
                              f"or '', got {self.scales!r} with side_order {self.side_order!r}")
@@ -133,7 +145,7 @@ def _vllm_v29(name: str, note: str) -> Layout:
     return Layout(
         name, "vLLM >= 0.29", order, "BHNSD", ("B", "H", "N", "SD"),
         f"per-layer [B, H, N, C] views of one {name} buffer", note,
-        backends="FLASH_ATTN, FLASHINFER, TRITON_ATTN (C = K|V per token and head)",
+        backends="FLASH_ATTN, FLASHINFER, TRITON_ATTN (C = K|V per token and head)", role="vllm", vllm_order=name,
     )
 
 
@@ -148,6 +160,7 @@ def _cpu_attn(name: str, note: str) -> Layout:
         f"per-layer [B, H, N, 2D] views of one {name} buffer",
         f"CPU_ATTN reads each (block, head) page as [2*BS, D]: all K rows, then all V rows; {note}",
         backends="CPU_ATTN" if name == "LBHNC" else "kvlab's CPU_ATTN backend", requires=Holds.KV, scales="",
+        role="cpu", vllm_order=name,
     )
 
 
@@ -161,7 +174,7 @@ def _nvfp4(name: str) -> Layout:
         f"nvfp4_{name}", "vLLM >= 0.29", order, "BSHND", ("B", "SH", "N", "D"),
         f"per-layer (NB, 2H, BS, D/2 + D/16) uint8 views of one {name} buffer",
         "NVFP4: each K/V side of a page holds every row's packed 4-bit values, then their fp8 scales",
-        backends="FLASHINFER (nvfp4)", requires=Holds.KV, scales="regions", side_order=name[2:4],
+        backends="FLASHINFER (nvfp4)", requires=Holds.KV, scales="regions", side_order=name[2:4], vllm_order=name,
     )
 
 
@@ -188,13 +201,13 @@ _LAYOUTS: list[Layout] = [
         "mla_v0.29", "vLLM >= 0.29", "LBNHSD", "BHNSD", ("B", "H", "N", "SD"),
         "per-layer [B, 1, N, C] views of one LBNHC buffer (C = kv_lora_rank + rope)",
         "MLA: one latent per token and layer; each layer contiguous",
-        requires=Holds.MLA, backends="CPU_MLA, FLASHMLA, TRITON_MLA",
+        requires=Holds.MLA, backends="CPU_MLA, FLASHMLA, TRITON_MLA", role="mla",
     ),
     Layout(
         "mla_v0.29_cross", "vLLM >= 0.29", "BLNHSD", "BHNSD", ("B", "H", "N", "SD"),
         "per-layer [B, 1, N, C] views of one BLNHC buffer (C = kv_lora_rank + rope)",
         "MLA cross-layer: a block holds every layer's latents in one run",
-        requires=Holds.MLA, backends="CPU_MLA, FLASHMLA, TRITON_MLA",
+        requires=Holds.MLA, backends="CPU_MLA, FLASHMLA, TRITON_MLA", role="mla",
     ),
     _cpu_attn("LBHNC", "CPU_ATTN's own (the only layout it declares): each layer contiguous"),
     _cpu_attn("LHBNC", "each layer contiguous, heads outside blocks (kvlab's backend)"),
@@ -255,6 +268,8 @@ class Generation:
     cross_layer: dict[str, tuple[int, ...]]
     requires: Holds = Holds.KV
     lmcache_peer: str | None = None  # the LMCache chunk its NHD per-layer cache moves to
+    lmcache_pages: tuple[str, ...] = ()  # how LMCache's CPU fallback views each layer of it (axis groups)
+    role: str = ""  # of its NHD per-layer layout (Layout.role)
 
 
 _SHAPE_SYMBOLS = {"L": "L", "B": "NB", "S": "2", "N": "BS", "H": "H", "D": "D", "SD": "2D", "HSD": "C"}
@@ -272,7 +287,7 @@ GENERATIONS = [
     Generation(
         "flash_attn_v0.12", "vLLM 0.12-0.22", "FLASH_ATTN", ("S", "B", "N", "H", "D"),
         {"NHD": (0, 1, 2, 3, 4), "HND": (0, 1, 3, 2, 4)},
-        {"NHD": (2, 0, 1, 3, 4, 5), "HND": (2, 4, 0, 1, 3, 5)}, lmcache_peer="KV_2LTD",
+        {"NHD": (2, 0, 1, 3, 4, 5), "HND": (2, 4, 0, 1, 3, 5)}, lmcache_peer="KV_2LTD", lmcache_pages=("S", "BN", "HD"),
     ),
     Generation(
         "flash_attn_v0.23", "vLLM 0.23-0.25", "FLASH_ATTN, TRITON_ATTN 0.23-0.25", ("B", "S", "N", "H", "D"),
@@ -283,6 +298,7 @@ GENERATIONS = [
         "flashinfer_v0.12", "vLLM 0.12-0.25", "FLASHINFER; TRITON_ATTN 0.12-0.22", ("B", "S", "N", "H", "D"),
         {"NHD": (0, 1, 2, 3, 4), "HND": (0, 1, 3, 2, 4)},
         {"NHD": (1, 0, 2, 3, 4, 5), "HND": (1, 2, 4, 0, 3, 5)}, lmcache_peer="KV_2LTD",
+        lmcache_pages=("B", "S", "N", "HD"),
     ),
     Generation(
         "flash_attn_v0.26", "vLLM 0.26-0.28", "FLASH_ATTN, FLASHINFER, TRITON_ATTN", ("B", "H", "N", "SD"),
@@ -297,6 +313,7 @@ GENERATIONS = [
         "mla_v0.12", "vLLM 0.12-0.28",
         "MLA backends (cross-layer: MLA common 0.12-0.17; FlashMLA and others 0.24-0.28)", ("B", "N", "HSD"),
         {"NHD": (0, 1, 2)}, {"NHD": (1, 0, 2, 3)}, requires=Holds.MLA, lmcache_peer="KV_MLA_FMT",
+        lmcache_pages=("BN", "HSD"), role="mla",
     ),
 ]
 
@@ -306,12 +323,14 @@ def _generation_layouts(gen: Generation) -> list[Layout]:
     out = []
     for kv_layout, order in gen.per_layer.items():
         physical = tuple(gen.logical[i] for i in order)
+        nhd = kv_layout == "NHD"  # the default cache layout: LMCache's peer, and the one a connector is handed
         out.append(Layout(
-            gen.name + ("" if kv_layout == "NHD" else "_hnd"), gen.family, "L" + "".join(physical),
+            gen.name + ("" if nhd else "_hnd"), gen.family, "L" + "".join(physical),
             view_order, gen.logical,
             f"{_shape_text(gen.logical)} per layer, stored {_shape_text(physical)}",
             f"{kv_layout}: one tensor per layer", split="L", requires=gen.requires, backends=gen.backends,
-            lmcache_peer=gen.lmcache_peer if kv_layout == "NHD" else None, scales=_scales(gen),
+            lmcache_peer=gen.lmcache_peer if nhd else None, lmcache_pages=gen.lmcache_pages if nhd else (),
+            role=gen.role if nhd else "", scales=_scales(gen),
         ))
     for kv_layout, order in gen.cross_layer.items():
         physical = tuple((("L",) + gen.logical)[i] for i in order)
@@ -333,7 +352,13 @@ _at = next(i for i, layout in enumerate(_LAYOUTS) if layout.name == "cpu_attn_v0
 _LAYOUTS[_at:_at] = [layout for gen in GENERATIONS for layout in _generation_layouts(gen)]
 LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in _LAYOUTS}
 VLLM_V29_LAYOUTS = tuple(_V29_PERMUTATIONS)
-CPU_ATTN_LAYOUTS = tuple(name for name in LAYOUTS if name.startswith("CPU_"))  # what kvlab's backend reads
+CPU_ATTN_LAYOUTS = tuple(name for name, layout in LAYOUTS.items() if layout.role == "cpu")  # what kvlab's backend reads
+
+
+def by_role(*roles: str) -> list[str]:
+    """The atlas's layouts of these roles (Layout.role), role by role, in atlas order: a layout
+    registered later with a role takes its part at once."""
+    return [name for role in roles for name, layout in LAYOUTS.items() if layout.role == role]
 
 
 def register_layout(layout: Layout, *, replace: bool = False) -> Layout:

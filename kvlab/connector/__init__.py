@@ -17,7 +17,7 @@ from kvlab._lazy import lazy_names
 # loads the connector (and vLLM), while the worker side (kvlab.connector.worker) imports with
 # torch alone, where vLLM is not installed (scripts/device-check runs it on a GPU).
 _WHERE = {
-    **dict.fromkeys(("CROSS_LAYER_LAYOUT", "TIERS", "ConnectorConfig"), "kvlab.connector.config"),
+    **dict.fromkeys(("CROSS_LAYER_LAYOUT", "ConnectorConfig"), "kvlab.connector.config"),
     "KVLabConnector": "kvlab.connector.connector",
     **dict.fromkeys(("model_seed", "request_keys"), "kvlab.connector.keys"),
     **dict.fromkeys(("KVLabMetadata", "KVLabWorkerMeta", "LoadSpec", "SaveSpec", "Source"), "kvlab.connector.messages"),

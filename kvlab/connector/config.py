@@ -1,180 +1,110 @@
 """KVLabConnector's ``kv_connector_extra_config``: every key, its default, and a clear error
-at start-up for anything else."""
+at start-up for anything else. A tier's own settings are its own dictionary, named after it
+and parsed by its settings class (kvlab.store.tiers): this module names none of them."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
-from pathlib import Path
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from kvlab.store.safe_paths import system_folder
-from kvlab.store.secrets import check_redis_url, read_auth_key
-from kvlab.store.tiers import shared_tier_names, tier_names
-from kvlab.store.tiers.mooncake import parse_mooncake_url
+from kvlab.store.secrets import read_auth_key
+from kvlab.store.tiers import TierSettings, flat_keys, shared_tier_names, tier_kind, tier_names, tier_settings
 from kvlab.transfer.registry import METHODS
 
+logger = logging.getLogger("kvlab.connector")
 CROSS_LAYER_LAYOUT = "BLHNC"
 STORE_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9._-]+")
-# Where chunks can live, in the order a lookup tries them: the worker's own memory, files
-# in a host-shared memory folder, files on disk, a Redis server (kvlab.store.tiers' registry,
-# read again at every parse: a tier registered later is accepted too).
-TIERS = tier_names()
-# The key bounding each tier's bytes (the Redis server bounds its own).
-BUDGETS = {"memory": "store_bytes", "shm": "shm_bytes", "disk": "disk_bytes"}
 # The tiers a server serves to whoever reaches it: auth_key is their only check of who wrote a chunk.
 REMOTE_TIERS = ("redis", "mooncake")
-
-
-def _room(tier: str, config: ConnectorConfig) -> tuple[int, str] | None:
-    """The most bytes ``tier`` could ever hold here, and what bounds it: the machine's memory,
-    or the size of the filesystem of its folder (or of the nearest folder above it that
-    exists); None where that cannot be told."""
-    try:
-        if tier == "memory":
-            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory"
-        folder = Path(config.disk_path if tier == "disk" else config.shm_folder)
-        while not folder.exists():
-            folder = folder.parent
-        stats = os.statvfs(folder)
-    except (ValueError, OSError, AttributeError):  # no such sysconf name, no statvfs (Windows)
-        return None
-    return stats.f_frsize * stats.f_blocks, f"the filesystem of {folder}"
+BOOLEANS = ("enable_cross_layers_blocks", "layerwise", "hooks", "async_saves", "strict")
+TEXTS = ("store_name", "store", "method", "verify", "auth_key")
+_warned: set[str] = set()  # flat keys whose warning this process logged
 
 
 @dataclass(frozen=True)
 class ConnectorConfig:
-    """``kv_connector_extra_config`` keys; anything else fails at start-up."""
+    """``kv_connector_extra_config`` keys; anything else fails at start-up. Each tier in
+    ``tiers`` takes its settings from a dictionary named after it, e.g. ``"disk": {"path":
+    "/var/cache/kvlab", "bytes": 17179869184}``; they are ``tier_settings`` here."""
 
     enable_cross_layers_blocks: bool = False  # ask vLLM for a block-major cache (as the seed change did)
     layerwise: bool = False  # load each layer just before its attention, save it right after
     # layerwise through kvlab.hooks, called from kvlab's CPU attention backend as vllm-ascend's
     # attention calls them (non-dict metadata, (k, v) tuples); vLLM's own per-layer calls are ignored
     hooks: bool = False
-    tiers: tuple[str, ...] | None = None  # lookup order, from TIERS; default from `store`
+    # lookup order, of the tiers kvlab.store.tiers registers; default from `store`
+    tiers: tuple[str, ...] | None = None
     store: str = "cpu"  # shorthand for tiers: "cpu" = memory; "disk" = memory, then disk
-    disk_path: str | None = None
-    shm_path: str | None = None  # default /dev/shm/kvlab-<store_name>
-    # e.g. redis://127.0.0.1:6379/0; a password by name, kept out of vLLM's logs of its arguments:
-    # redis://127.0.0.1:6379/0?password_file=/path/file (its first line) or ?password_env=VARIABLE
-    # (kvlab.store.secrets); redis://:password@127.0.0.1:6379/0 works too, but vLLM logs it;
-    # redis-cluster://127.0.0.1:7000?password_file=... : a Redis Cluster, by any one of its nodes
-    redis_url: str | None = None
-    # mooncake://host:port?metadata_port=P: a Mooncake Store's master and its HTTP metadata server
-    # (kvlab.runtime.mooncake starts one); each worker lends it mooncake_segment_bytes of memory (0:
-    # the store's own segment processes hold everything)
-    mooncake_url: str | None = None
-    mooncake_segment_bytes: int = 0
-    store_bytes: int = 2 << 30  # each worker's memory budget; least recently used chunks go first
-    disk_bytes: int = 16 << 30
-    shm_bytes: int = 4 << 30
+    store_bytes: int = 2 << 30  # each worker's memory budget, kept by the scheduler; least recently used chunks go first
     chunk_size: int | None = None  # tokens per stored chunk; default 256 rounded to blocks
-    method: str = "auto"  # a kvlab.transfer copy method; "auto": the fastest that runs here (COPY_PREFERENCE)
+    method: str = "auto"  # a kvlab.transfer copy method; "auto": the most preferred that runs here (CopyMethod.preference)
     verify: str = "disk"  # "disk": CRC of every chunk read from a shared tier; "always": also in memory
     async_saves: bool = True  # saves run beside the forward; a request's blocks are held until saved
     # "file:/path" or "env:VARIABLE" naming a secret of 16+ bytes: every chunk of a shared tier then
     # carries an HMAC-SHA256 under it, and one without a valid MAC is never loaded (docs/reliability.md)
     auth_key: str | None = None
     store_name: str = "default"  # names the shared-memory folder and this process's counters
+    # raise, instead of recomputing, an error of a load or a save that is not the store's fault
+    # (kvlab.store.faults: a bug must not look like a recompute); kvlab.testing's engines and driver set it
+    strict: bool = False
+    # each tier's settings (kvlab.store.tiers.TierSettings, None for a tier that takes none), from its dictionary
+    tier_settings: Mapping[str, TierSettings | None] = field(default_factory=dict, hash=False)
 
     @classmethod
-    def parse(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
+    def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
         if extra is not None and not isinstance(extra, Mapping):
             raise ValueError(f"KVLabConnector: kv_connector_extra_config must be a mapping of keys to values, "
                              f"got {type(extra).__name__}")
-        extra = dict(extra or {})
-        known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(extra) - set(known), key=str)
-        if unknown:
-            raise ValueError(f"KVLabConnector: unknown kv_connector_extra_config key(s) {unknown}; "
-                             f"known keys are {sorted(known)}")
-        for name in ("enable_cross_layers_blocks", "layerwise", "hooks", "async_saves"):
-            if name in extra and not isinstance(extra[name], bool):
-                raise ValueError(f"KVLabConnector: {name} must be true or false, got {extra[name]!r}")
-        for name in ("store_bytes", "disk_bytes", "shm_bytes", "chunk_size"):
-            if name not in extra or (name == "chunk_size" and extra[name] is None):  # None: the default chunk
-                continue
-            value = extra[name]
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"KVLabConnector: {name} must be a positive integer, got {value!r}")
-        if "mooncake_segment_bytes" in extra:
-            value = extra["mooncake_segment_bytes"]
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"KVLabConnector: mooncake_segment_bytes must be a non-negative integer, got {value!r}")
-        for name in ("disk_path", "shm_path", "redis_url", "mooncake_url", "store_name", "store", "method", "verify", "auth_key"):
-            if name in extra and (not isinstance(extra[name], str) or not extra[name]):
-                raise ValueError(f"KVLabConnector: {name} must be a non-empty string, got {extra[name]!r}")
-        for name in ("disk_path", "shm_path"):  # every vLLM process must mean the same folder
-            if name in extra and (not os.path.isabs(extra[name]) or "\0" in extra[name]):
-                raise ValueError(f"KVLabConnector: {name} must be an absolute path, got {extra[name]!r}")
-        for name, example in (("disk_path", "/var/cache/kvlab"), ("shm_path", "/dev/shm/kvlab-<name>")):
-            if extra.get(name) and system_folder(os.path.realpath(extra[name])):
-                raise ValueError(f"KVLabConnector: {name} must be a folder of kvlab's own (it evicts chunk files "
-                                 f"there), not the system's {extra[name]!r}: e.g. {example}")
-        if "store_name" in extra and not STORE_NAME.fullmatch(extra["store_name"]):
-            raise ValueError(f"KVLabConnector: store_name names a folder (/dev/shm/kvlab-<store_name>): letters, "
-                             f"digits, '.', '_' and '-' only, got {extra['store_name']!r}")
-        if "tiers" in extra:
-            if "store" in extra:
-                raise ValueError("KVLabConnector: give either store (a shorthand) or tiers, not both")
-            tiers = extra["tiers"]
-            if not isinstance(tiers, (list, tuple)) or not tiers or not all(isinstance(t, str) for t in tiers):
-                raise ValueError(f"KVLabConnector: tiers must be a list of tier names from {list(tier_names())}, "
-                                 f"got {tiers!r}")
-            extra["tiers"] = tuple(tiers)
-        config = cls(**extra)
-        if config.hooks and not config.layerwise:
-            raise ValueError("KVLabConnector: hooks: true drives a layerwise connector from the attention hooks, "
-                             "but layerwise is false; set \"layerwise\": true too")
-        if config.store not in ("cpu", "disk"):
-            raise ValueError(f"KVLabConnector: store must be 'cpu' or 'disk', got {config.store!r}")
+        own, given, origin = _split(dict(extra or {}))
+        config = cls(**_checked(own))
         tiers = config.tier_names
         known = tier_names()
-        bad = [t for t in tiers if t not in known]
-        if bad or len(set(tiers)) != len(tiers):
+        if any(t not in known for t in tiers) or len(set(tiers)) != len(tiers):
             raise ValueError(f"KVLabConnector: tiers must name each of {list(known)} at most once, got {list(tiers)}")
-        if "disk" in tiers and not config.disk_path:
-            raise ValueError("KVLabConnector: the disk tier (store 'disk') needs disk_path (a folder)")
-        if config.disk_path and "disk" not in tiers:
-            raise ValueError("KVLabConnector: disk_path is only used with the disk tier (store 'disk')")
-        if "redis" in tiers and not config.redis_url:
-            raise ValueError("KVLabConnector: the redis tier needs redis_url (e.g. redis://127.0.0.1:6379/0)")
-        if "mooncake" in tiers and not config.mooncake_url:
-            raise ValueError("KVLabConnector: the mooncake tier needs mooncake_url "
-                             "(mooncake://127.0.0.1:50051?metadata_port=8080)")
-        for key, tier in (("redis_url", "redis"), ("shm_path", "shm"), ("mooncake_url", "mooncake")):
-            if getattr(config, key) and tier not in tiers:
-                raise ValueError(f"KVLabConnector: {key} is only used with the {tier} tier; tiers are {list(tiers)}")
-        if config.redis_url:
+        unnamed = sorted(given.keys() - set(tiers))
+        if unnamed:
+            raise ValueError(f"KVLabConnector: {origin[unnamed[0]]} is a setting of the {unnamed[0]} tier, which "
+                             f"tiers ({list(tiers)}) does not name")
+        settings = {}
+        for tier in tiers:
             try:
-                check_redis_url(config.redis_url)
+                settings[tier] = tier_settings(tier, given.get(tier, {}), config.store_name)
             except ValueError as error:
                 raise ValueError(f"KVLabConnector: {error}") from None
-        if config.mooncake_url:
-            try:
-                parse_mooncake_url(config.mooncake_url)
-            except ValueError as error:
-                raise ValueError(f"KVLabConnector: {error}") from None
-        for tier, key in BUDGETS.items():  # an absurd budget given by hand; the defaults adapt (ENOSPC)
-            room = _room(tier, config) if key in extra and tier in tiers else None
-            if room and getattr(config, key) > room[0]:
-                raise ValueError(f"KVLabConnector: {key} ({getattr(config, key):,} bytes) is more than {room[1]} "
-                                 f"holds ({room[0]:,} bytes)")
-        if config.auth_key is not None:
-            if not config.shared_tiers:
-                raise ValueError("KVLabConnector: auth_key signs the shared tiers' chunks; tiers are "
-                                 f"{list(tiers)}, none of them shared")
-            try:
-                read_auth_key(config.auth_key)
-            except ValueError as error:
-                raise ValueError(f"KVLabConnector: {error}") from None
-        if config.method not in METHODS and config.method != "auto":
-            raise ValueError(f"KVLabConnector: method must be 'auto' or one of {list(METHODS)}, got {config.method!r}")
-        if config.verify not in ("always", "disk"):
-            raise ValueError(f"KVLabConnector: verify must be 'always' or 'disk', got {config.verify!r}")
+        config = replace(config, tier_settings=settings)
+        config._check(given)
         return config
+
+    def _check(self, given: Mapping[str, Mapping[str, Any]]) -> None:
+        """What no single key tells: keys that contradict each other, budgets no machine
+        holds (given by hand; the defaults adapt: ENOSPC)."""
+        if self.hooks and not self.layerwise:
+            raise ValueError("KVLabConnector: hooks: true drives a layerwise connector from the attention hooks, "
+                             "but layerwise is false; set \"layerwise\": true too")
+        if self.store not in ("cpu", "disk"):
+            raise ValueError(f"KVLabConnector: store must be 'cpu' or 'disk', got {self.store!r}")
+        for tier, settings in self.tier_settings.items():
+            budget = settings.BUDGET if settings is not None else None
+            room = settings.room() if budget in given.get(tier, {}) else None
+            if room and getattr(settings, budget) > room[0]:
+                raise ValueError(f"KVLabConnector: the {tier} tier's {budget} ({getattr(settings, budget):,} bytes) "
+                                 f"is more than {room[1]} holds ({room[0]:,} bytes)")
+        if self.auth_key is not None:
+            if not self.shared_tiers:
+                raise ValueError("KVLabConnector: auth_key signs the shared tiers' chunks; tiers are "
+                                 f"{list(self.tier_names)}, none of them shared")
+            try:
+                read_auth_key(self.auth_key)
+            except ValueError as error:
+                raise ValueError(f"KVLabConnector: {error}") from None
+        if self.method not in METHODS and self.method != "auto":
+            raise ValueError(f"KVLabConnector: method must be 'auto' or one of {list(METHODS)}, got {self.method!r}")
+        if self.verify not in ("always", "disk"):
+            raise ValueError(f"KVLabConnector: verify must be 'always' or 'disk', got {self.verify!r}")
 
     @property
     def tier_names(self) -> tuple[str, ...]:
@@ -188,16 +118,15 @@ class ConnectorConfig:
         shared = shared_tier_names()
         return tuple(t for t in self.tier_names if t in shared)
 
-    @property
-    def shm_folder(self) -> str:
-        return self.shm_path or f"/dev/shm/kvlab-{self.store_name}"
-
     def check_budgets(self, chunk_bytes: int) -> None:
         """Raise ValueError naming the key when a tier in use has a budget smaller than one
         chunk of ``chunk_bytes``: it would skip every write (known once the engine's geometry is)."""
-        for tier, key in BUDGETS.items():
-            budget = getattr(self, key)
-            if tier in self.tier_names and budget < chunk_bytes:
+        budgets = {tier: (f"{tier}.{s.BUDGET}", getattr(s, s.BUDGET))
+                   for tier, s in self.tier_settings.items() if s is not None and s.BUDGET}
+        if "memory" in self.tier_names:
+            budgets["memory"] = ("store_bytes", self.store_bytes)
+        for tier, (key, budget) in budgets.items():
+            if budget < chunk_bytes:
                 raise ValueError(f"KVLabConnector: {key} ({budget:,} bytes) is smaller than one chunk of this model's "
                                  f"KV ({chunk_bytes:,} bytes), so the {tier} tier would keep nothing; raise {key} "
                                  f"or lower chunk_size")
@@ -210,12 +139,80 @@ class ConnectorConfig:
                              f"block size {block_size}")
         return self.chunk_size // block_size
 
-    def shared_store_options(self) -> dict[str, Any]:
-        """KVStore options for the shared tiers this config names."""
-        tiers = self.tier_names
-        return {"disk_path": self.disk_path if "disk" in tiers else None, "disk_capacity_bytes": self.disk_bytes,
-                "shm_path": self.shm_folder if "shm" in tiers else None, "shm_capacity_bytes": self.shm_bytes,
-                "redis_url": self.redis_url if "redis" in tiers else None, "verify": self.verify,
-                "mooncake_url": self.mooncake_url if "mooncake" in tiers else None,
-                "mooncake_segment_bytes": self.mooncake_segment_bytes,
+    def store_options(self) -> dict[str, Any]:
+        """KVStore options for the shared tiers this config names: each with its settings."""
+        return {"tiers": {tier: self.tier_settings[tier] for tier in self.shared_tiers}, "verify": self.verify,
                 "auth_key": read_auth_key(self.auth_key) if self.auth_key else None}
+
+
+def _split(extra: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]], dict[str, str]]:
+    """``extra`` as the config's own keys, each tier's dictionary of settings (the flat keys
+    of old folded in, with a warning naming the new form) and, by tier, the key its settings
+    came from (for errors). ValueError for an unknown key."""
+    keys = [f.name for f in fields(ConnectorConfig) if f.name != "tier_settings"]
+    flat = flat_keys()
+    unknown = sorted((k for k in extra if k not in keys and k not in tier_names() and k not in flat), key=str)
+    if unknown:
+        raise ValueError(f"KVLabConnector: unknown kv_connector_extra_config key(s) {unknown}; known keys are "
+                         f"{keys} and a dictionary of settings per tier, named after it: {list(tier_names())}")
+    own = {key: value for key, value in extra.items() if key in keys}
+    given: dict[str, dict[str, Any]] = {}
+    origin: dict[str, str] = {}
+    for tier in (k for k in extra if k in tier_names()):
+        values = extra[tier]
+        if not isinstance(values, Mapping):
+            raise ValueError(f"KVLabConnector: {tier} must be a mapping of the {tier} tier's settings "
+                             f"{list(tier_kind(tier).settings.keys()) if tier_kind(tier).settings else []}, "
+                             f"got {values!r}")
+        given[tier], origin[tier] = dict(values), tier
+    for key in (k for k in extra if k in flat):
+        tier, setting = flat[key]
+        if setting in given.get(tier, {}):
+            raise ValueError(f"KVLabConnector: give {tier}.{setting} once: as {key} or in {tier}, not both")
+        given.setdefault(tier, {})[setting] = extra[key]
+        origin.setdefault(tier, key)
+        if key not in _warned:
+            _warned.add(key)
+            logger.warning("KVLabConnector: %s is the old form of {\"%s\": {\"%s\": ...}}; it still works, but each "
+                           "tier takes its settings in a dictionary of its own", key, tier, setting)
+    return own, given, origin
+
+
+def _checked(own: dict[str, Any]) -> dict[str, Any]:
+    """The config's own keys, each of the type it must be (ValueError naming it)."""
+    for name in (n for n in BOOLEANS if n in own):
+        if not isinstance(own[name], bool):
+            raise ValueError(f"KVLabConnector: {name} must be true or false, got {own[name]!r}")
+    for name in (n for n in ("store_bytes", "chunk_size") if n in own):
+        value = own[name]
+        if name == "chunk_size" and value is None:  # the default chunk
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"KVLabConnector: {name} must be a positive integer, got {value!r}")
+    for name in (n for n in TEXTS if n in own):
+        if not isinstance(own[name], str) or not own[name]:
+            raise ValueError(f"KVLabConnector: {name} must be a non-empty string, got {own[name]!r}")
+    memory = _machine_memory() if "store_bytes" in own else None  # a budget given by hand; the default adapts
+    if memory and own["store_bytes"] > memory:
+        raise ValueError(f"KVLabConnector: store_bytes ({own['store_bytes']:,} bytes) is more than this machine's "
+                         f"memory holds ({memory:,} bytes)")
+    if "store_name" in own and not STORE_NAME.fullmatch(own["store_name"]):
+        raise ValueError(f"KVLabConnector: store_name names a folder (/dev/shm/kvlab-<store_name>): letters, "
+                         f"digits, '.', '_' and '-' only, got {own['store_name']!r}")
+    if "tiers" in own:
+        if "store" in own:
+            raise ValueError("KVLabConnector: give either store (a shorthand) or tiers, not both")
+        tiers = own["tiers"]
+        if not isinstance(tiers, (list, tuple)) or not tiers or not all(isinstance(t, str) for t in tiers):
+            raise ValueError(f"KVLabConnector: tiers must be a list of tier names from {list(tier_names())}, "
+                             f"got {tiers!r}")
+        own["tiers"] = tuple(tiers)
+    return own
+
+
+def _machine_memory() -> int | None:
+    """This machine's memory in bytes; None where that cannot be told."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # no such sysconf name (Windows)
+        return None

@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from kvlab.cache.allocation import adopt, layer_name, view_parts
 from kvlab.cache.fits import compatible_layouts
-from kvlab.cache.layouts import CPU_ATTN_LAYOUTS, LAYOUTS, VLLM_V29_LAYOUTS, Holds
+from kvlab.cache.layouts import LAYOUTS, Holds, by_role
 from kvlab.connector.config import CROSS_LAYER_LAYOUT, REMOTE_TIERS, ConnectorConfig
 from kvlab.connector.geometry import engine_geometry, on_cpu, uses_mla
 from kvlab.connector.messages import KVLabMetadata, KVLabWorkerMeta
@@ -172,9 +172,8 @@ class KVLabConnector(KVConnectorBase_V1):
         dtype = view_parts(next(iter(kv_caches.values())))[0].dtype
         geometry = engine_geometry(self._vllm_config, len(kv_caches), dtype)
         layers = {name: tuple(v) if isinstance(v, list) else v for name, v in kv_caches.items()}
-        # an MLA latent has one "head": the K/V layouts fit its shape too, but say less
-        mla = ["mla_v0.29", "mla_v0.29_cross", "mla_v0.12"] if geometry.is_mla else []
-        preferred = mla + (list(CPU_ATTN_LAYOUTS) if on_cpu() else []) + list(VLLM_V29_LAYOUTS)
+        # an MLA latent has one "head": the K/V layouts fit its shape too, but say less (Layout.role)
+        preferred = by_role(*(["mla"] if geometry.is_mla else []), *(["cpu"] if on_cpu() else []), "vllm")
         candidates = preferred + [n for n in compatible_layouts(geometry, chunk_formats=False) if n not in preferred]
         num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
         if self.config.hooks:

@@ -11,19 +11,15 @@ from kvlab.cache.geometry import ModelGeometry
 from kvlab.connector.geometry import on_cpu
 from kvlab.transfer.engine import host_buffer
 from kvlab.transfer.plan import copy_plan
-from kvlab.transfer.registry import method_status
-
-# method="auto": the first of these that runs for the cache and its host buffers. memcpy (one
-# C call per transfer, host memory only) moves batched runs at the memory's pace (0.89-1.01 of
-# the copy ceiling in notebook 02 on this project's CPUs); gather runs everywhere, devices too.
-COPY_PREFERENCE = ("memcpy", "gather")
-
+from kvlab.transfer.registry import method_status, preferred_methods
 
 def copy_method(asked: str, cache: KVCache) -> str:
-    """The copy method for ``cache``: ``asked``, checked, or for "auto" the first of
-    COPY_PREFERENCE that runs here. ValueError naming why when none does."""
+    """The copy method for ``cache``: ``asked``, checked, or for "auto" the most preferred
+    one that runs here (each method declares its CopyMethod.preference). ValueError naming
+    why when none does."""
     buffer = host_buffer(cache, 1)
-    for name in COPY_PREFERENCE if asked == "auto" else (asked,):
+    why = "no copy method declares a preference for 'auto'"
+    for name in preferred_methods() if asked == "auto" else (asked,):
         why = method_status(name, cache, buffer)
         if why is None:
             return name

@@ -37,6 +37,9 @@ SIGNATURE_WAIT_STEPS = 100
 # recently used ones are kept, and each is trusted only while its file is the one checked.
 # Each entry holds its block keys: ~1.5 KB for a chunk of 16 blocks, so ~6 MB at most.
 CHECKED_CHUNKS = 4096
+# What one lookup found in the shared tiers: block key -> {tier: (its chunk key per worker,
+# position)} of the tiers that hold it for every worker, checked, in lookup order.
+SharedHeld = dict[str, dict[str, tuple[tuple[str, ...], int]]]
 
 
 @dataclass
@@ -73,8 +76,6 @@ class SchedulerSide:
         # (tier, chunk key) -> (the stored chunk's identity when checked, its block keys if intact and of this cache)
         self._checked: OrderedDict[tuple[str, str], tuple[object, tuple[str, ...] | None]] = OrderedDict()
         self._replanned: set[str] = set()
-        # block key -> {tier: (its chunk key per worker, position)} of the shared tiers that hold it, this lookup
-        self._shared_held: dict[str, dict[str, tuple[tuple[str, ...], int]]] = {}
         self._pinned: list[str] = []
         self._drops: list[str] = []
         self._reset = False
@@ -107,21 +108,21 @@ class SchedulerSide:
         state.saves = earlier.saves if earlier else 0  # its blocks stay held until those saves are done
         self._requests[request.request_id] = state
         loadable = state.keys[: (len(prompt) - 1) // self.block_size]  # vLLM computes the last prompt token
-        matched = self._match(loadable, state.keys)
-        state.shared_held = {key for key in state.keys if self._held_everywhere(key)}
+        # the shared tiers are asked about every full block of the prompt: its last chunk is named
+        # by a block past the loadable ones (the one holding the last prompt token)
+        held = self._locate_shared(state.keys)
+        matched = self._match(loadable, held)
+        state.shared_held = {key for key in state.keys if self._held_everywhere(held, key)}
         if matched is None:  # what would extend the hit is still being stored: ask again next step
             return None, False
         state.matched = matched
         state.local_blocks = num_computed_tokens // self.block_size
         return max(0, len(matched) - state.local_blocks) * self.block_size, False
 
-    def _match(self, keys: list[str], every: list[str]) -> list[Source] | None:
-        """Where each leading block of ``keys`` can be loaded from, for every worker. The
-        shared tiers are asked about ``every`` full block of the prompt: its last chunk is
-        named by a block past the loadable ones (the one holding the last prompt token), and
-        a disk tier finds a chunk another process wrote by its name."""
+    def _match(self, keys: list[str], held: SharedHeld) -> list[Source] | None:
+        """Where each leading block of ``keys`` can be loaded from, for every worker: the
+        workers' memory, else the first shared tier ``held`` (this lookup's) names."""
         out: list[Source] = []
-        self._locate_shared(every)
         for key in keys:
             found = self.memory.locate(key) if self.memory is not None else None
             if found is not None:
@@ -130,7 +131,8 @@ class SchedulerSide:
                     return None
                 out.append(Source("memory", (chunk_key,) * self.workers, position, key))
                 continue
-            source = self._shared_source(key)
+            source = next((Source(tier, chunk_keys, position, key)  # the first in lookup order
+                           for tier, (chunk_keys, position) in held.get(key, {}).items()), None)
             if source is None:
                 break
             out.append(source)
@@ -140,35 +142,30 @@ class SchedulerSide:
                     self.memory.touch(source.chunk_keys[0])
         return out
 
-    def _shared_source(self, key: str) -> Source | None:
-        """The first shared tier that holds this block for every worker, checked."""
-        for tier, (chunk_keys, position) in self._shared_held.get(key, {}).items():  # in lookup order
-            return Source(tier, chunk_keys, position, key)
-        return None
-
-    def _held_everywhere(self, key: str) -> bool:
+    def _held_everywhere(self, held: SharedHeld, key: str) -> bool:
         """Every shared tier holds this block for every worker, checked (a chunk file only
         indexed may be damaged: saving over it repairs it)."""
-        return self.shared is not None and len(self._shared_held.get(key, ())) == len(self.shared.shared_names)
+        return self.shared is not None and len(held.get(key, ())) == len(self.shared.shared_names)
 
-    def _locate_shared(self, keys: list[str]) -> None:
+    def _locate_shared(self, keys: list[str]) -> SharedHeld:
         """Which shared tiers hold each block for every worker, checked, and where: one call
-        per tier (one round trip to a remote one) for the whole prompt, not one per block."""
-        self._shared_held = {}
+        per tier (one round trip to a remote one) for the whole prompt, not one per block. A
+        disk tier finds a chunk another process wrote by its name."""
         if self.shared is None or self.signature is None:
-            return
+            return {}
         shards = {key: [shard_key(key, rank, self.workers) for rank in range(self.workers)] for key in keys}
         flat = [shard for key in keys for shard in shards[key]]
         located = {tier: dict(zip(flat, where)) for tier, where in self.shared.locate_shared(flat).items()}
         self._check_located(located)
+        held: SharedHeld = {}
         for key in keys:
-            held = {}
+            held[key] = {}
             for tier, where in located.items():
                 found = [where[shard] for shard in shards[key]]
                 if None not in found and len({f[1] for f in found}) == 1 \
                         and all(self._holds(tier, f[0], f[1], shard) for f, shard in zip(found, shards[key])):
-                    held[tier] = (tuple(f[0] for f in found), found[0][1])
-            self._shared_held[key] = held
+                    held[key][tier] = (tuple(f[0] for f in found), found[0][1])
+        return held
 
     def _check_located(self, located: dict[str, dict[str, tuple[str, int] | None]]) -> None:
         """Check each chunk located that was not checked since it last changed or vanished

@@ -62,14 +62,14 @@ def worker_store(config: ConnectorConfig) -> KVStore:
 
 def new_worker_store(config: ConnectorConfig, stats: StoreStats | None = None) -> KVStore:
     """A worker's tiers: its memory (kept as the scheduler says) and the shared tiers."""
-    return KVStore(UNBOUNDED, promote=False, stats=stats or StoreStats(), **config.shared_store_options())
+    return KVStore(UNBOUNDED, promote=False, stats=stats or StoreStats(), **config.store_options())
 
 
 def lookup_store(config: ConnectorConfig) -> KVStore | None:
     """The shared tiers as a scheduler looks them up (None when there are none)."""
     if not config.shared_tiers:
         return None
-    return KVStore(promote=False, stats=shared(config).store_stats, **config.shared_store_options())
+    return KVStore(promote=False, stats=shared(config).store_stats, **config.store_options())
 
 
 def reset_stores() -> None:

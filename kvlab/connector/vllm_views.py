@@ -21,7 +21,7 @@ import torch
 from kvlab.cache.allocation import layer_name
 from kvlab.cache.geometry import ModelGeometry
 from kvlab.cache.hybrid import HybridGeometry
-from kvlab.cache.layouts import VLLM_V29_LAYOUTS
+from kvlab.cache.layouts import LAYOUTS, VLLM_V29_LAYOUTS
 from kvlab.connector.vllm_versions import kv_cache_config_from_groups
 
 
@@ -31,9 +31,9 @@ def vllm_layer_views(layout: str, geometry: ModelGeometry, num_blocks: int) -> d
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.worker.utils import allocate_kv_cache
 
-    name = layout.removeprefix("CPU_").removeprefix("nvfp4_")
-    if name not in VLLM_V29_LAYOUTS:
-        raise ValueError(f"vLLM builds only {list(VLLM_V29_LAYOUTS)}, not {layout!r}")
+    name = LAYOUTS[layout].vllm_order if layout in LAYOUTS else ""
+    if not name:
+        raise ValueError(f"vLLM builds only {list(VLLM_V29_LAYOUTS)} (and the layouts read from them), not {layout!r}")
     vllm_layout = KVCacheLayout[name]
     spec_type = MLAAttentionSpec if geometry.is_mla else FullAttentionSpec
     spec = spec_type(

@@ -23,11 +23,14 @@ from typing import Any
 
 from kvlab.cache.allocation import KVCache, view_parts
 from kvlab.connector.config import ConnectorConfig
+from kvlab.connector.errors import Errors
+from kvlab.connector.failures import FailureRules
 from kvlab.connector.messages import KVLabMetadata, KVLabWorkerMeta, LoadSpec, SaveSpec
 from kvlab.connector.registration import copy_method, cross_layer_decision, runs_per_block, tensor_parallel_rank
 from kvlab.connector.stores import ConnectorStats, worker_store
 from kvlab.connector.weights import watch_weight_loads, weights_epoch
 from kvlab.store.chunk import Chunk
+from kvlab.store.faults import FailedCheck
 from kvlab.store.keys import signature
 from kvlab.transfer.common import in_callers_mode
 from kvlab.transfer.engine import Transfer, host_buffer, run_all
@@ -60,11 +63,13 @@ class WorkerSide:
         self.store = worker_store(config)
         self.rank, self.workers = tensor_parallel_rank()
         self.cache: KVCache | None = None
+        self.method: str | None = None  # the copy method, chosen for the cache when it is registered
         self.signature: str | None = None
+        self.failures = FailureRules()  # what a failed load means for what is stored
+        self.errors = Errors(config.strict, lambda: self.store.faults)  # logged, or raised in strict mode
         self._reported_signature = False
         self._layer_index: dict[str, int] = {}
         self._loads: list[LayerwiseLoad] = []
-        self._load_errors: set[int] = set()
         self._copy_workers = 1
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvlab-save") if config.async_saves else None
         self._fetchers = ThreadPoolExecutor(2, thread_name_prefix="kvlab-fetch")
@@ -72,16 +77,7 @@ class WorkerSide:
         self._lock = threading.Lock()
         self._jobs: dict[str, list[Future]] = {}  # request -> its save jobs not yet reported
         self._finished: set[str] = set()  # finished requests waiting for their saves
-        self._stored: Counter = Counter()
-        self._failed: set[str] = set()
-        # A failed load leaves its blocks holding another request's KV, and whatever the
-        # forward computes on top of them is wrong too: the request's saves are cancelled
-        # until the scheduler has planned them again over recomputed blocks.
-        self._step_failed: set[str] = set()  # requests whose load failed in this step
-        self._step_failed_blocks: set[int] = set()
-        self._tainted: set[str] = set()  # requests whose saves are cancelled
-        self._load_failed: set[str] = set()  # reported to the scheduler
-        self._missed: set[tuple[str, str]] = set()
+        self._stored: Counter = Counter()  # memory chunks stored since the last report
         self._layer_saves: list[LayerSave] | None = None  # this step's saves, copied layer by layer
         self._layer_saves_of: KVLabMetadata | None = None  # the step they belong to
 
@@ -128,7 +124,7 @@ class WorkerSide:
         start = time.perf_counter()
         try:
             if meta.weights_epoch != weights_epoch(self.engine_id):
-                raise RuntimeError("the weights changed since these blocks were looked up")
+                raise FailedCheck("the weights changed since these blocks were looked up")
             self._start_loads(meta.loads)
         except Exception as error:  # a load that cannot run is recomputed, never fatal
             self._fail_loads(meta.loads, error)
@@ -139,7 +135,7 @@ class WorkerSide:
         for spec in loads:
             for chunk, positions, block_ids in self._by_chunk(spec):
                 if chunk is None:
-                    self._fail(spec.req_id, block_ids)
+                    self.failures.load_failed(spec.req_id, block_ids)
                     self.stats.load_errors += 1
                     continue
                 sources.append((chunk.buffer, positions, block_ids))
@@ -179,26 +175,19 @@ class WorkerSide:
                                  blocks={position: key for position, key in (expect or {}).items() if key})
         with self._lock:
             self.stats.fallback_loads += found.chunk is not None and found.tier != tier
-            self._missed.update((name, chunk_key) for name in found.missed)
-            if found.dropped:  # gone here; the scheduler forgets it everywhere
-                self._failed.add(chunk_key)
+        for name in found.missed:
+            self.failures.tier_missed(name, chunk_key)
+        if found.dropped:  # gone here; the scheduler forgets it everywhere
+            self.failures.chunk_failed(chunk_key)
         return found.chunk
-
-    def _fail(self, req_id: str, block_ids: list[int]) -> None:
-        """Blocks of ``req_id`` that did not load: vLLM recomputes them, and none of the
-        request's saves may store what its cache holds until then."""
-        self._load_errors.update(block_ids)
-        self._step_failed_blocks.update(block_ids)
-        self._step_failed.add(req_id)
 
     def _fail_loads(self, loads: list[LoadSpec], error: Exception) -> None:
         """Hand every block of ``loads`` back to vLLM to recompute."""
+        self.errors.absorb("a load", error, f"vLLM recomputes its {sum(len(s.block_ids) for s in loads)} blocks")
         self._loads.clear()
         for spec in loads:
-            self._fail(spec.req_id, spec.block_ids)
+            self.failures.load_failed(spec.req_id, spec.block_ids)
         self.stats.load_errors += 1
-        logger.warning("KVLabConnector: a load failed (%s: %s); vLLM recomputes its %d blocks",
-                       type(error).__name__, error, sum(len(s.block_ids) for s in loads))
 
     def _segments(self, blocks: int, per_layer: bool) -> int:
         """Contiguous cache runs that moving ``blocks`` scattered blocks touches (all layers
@@ -228,22 +217,19 @@ class WorkerSide:
         self._loads.clear()
 
     def load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+        return self.failures.take_load_errors()
 
     # ---- saves -------------------------------------------------------------------------
     def wait_for_save(self, meta: KVLabMetadata | None) -> None:
+        self.errors.raise_pending()
         self._awake(meta is not None and meta.saves)
         if self._loads:  # a step whose layers never all waited (e.g. no attention ran)
             try:
                 self._finish_loads()
             except Exception as error:
                 self._fail_loads(meta.loads if meta is not None else [], error)
-        self._tainted = (self._tainted - (meta.replanned if meta is not None else set())) | self._step_failed
-        failed_blocks, self._step_failed_blocks = self._step_failed_blocks, set()
-        with self._lock:
-            self._load_failed |= self._step_failed
-        self._step_failed = set()
+        self.failures.replanned(meta.replanned if meta is not None else ())
+        self.failures.forward_done()
         if meta is None or not (meta.saves or meta.drops or meta.reset_memory):
             return
         start = time.perf_counter()
@@ -253,9 +239,9 @@ class WorkerSide:
                        if self._layer_saves_of is meta and s.complete(len(self._layer_index))}
         self._layer_saves, self._layer_saves_of = None, None
         for spec in reversed(meta.saves):  # tail first: a full tier drops a prompt's tail, not its head
-            wrong = spec.req_id in self._tainted or not failed_blocks.isdisjoint(spec.block_ids)
             copied = layer_saves.get(id(spec))
-            job = (self._cancel if wrong else functools.partial(self._store, copied=copied) if copied else self._save)
+            job = (self._cancel if self.failures.cancels(spec) else functools.partial(self._store, copied=copied)
+                   if copied else self._save)
             self._run(spec.req_id, functools.partial(job, spec))
         self.stats.save_seconds += time.perf_counter() - start
 
@@ -271,7 +257,8 @@ class WorkerSide:
             raise ValueError(f"KVLabConnector: save_kv_layer({layer_name!r}) was given KV that is not that layer "
                              f"of the registered {self.cache.layout.name} cache")
         if self._layer_saves is None or self._layer_saves_of is not meta:  # the step's first layer
-            self._layer_saves = [self._layer_save(spec) for spec in meta.saves if spec.req_id not in self._tainted]
+            self._layer_saves = [self._layer_save(spec) for spec in meta.saves
+                                 if not self.failures.saves_cancelled(spec.req_id)]
             self._layer_saves_of = meta
         index = self._layer_index[layer_name]
         for save in self._layer_saves:
@@ -298,15 +285,14 @@ class WorkerSide:
         """Store nothing of a save whose blocks a failed load left wrong (the memory tier's
         reservation is given back)."""
         self.stats.cancelled_saves += 1
-        if spec.memory:
-            with self._lock:
-                self._failed.add(spec.block_keys[-1])
+        self.failures.save_cancelled(spec)
 
     def _run(self, req_id: str | None, job: Any) -> None:
         if self._saver is None:
             job()
             return
         future = self._saver.submit(in_callers_mode(job))
+        future.add_done_callback(self.errors.job_done)
         if req_id is not None:
             with self._lock:
                 self._jobs.setdefault(req_id, []).append(future)
@@ -341,14 +327,12 @@ class WorkerSide:
             self.stats.saved_blocks += len(spec.block_ids)
         except Exception as error:  # nothing of it is stored; the request goes on
             self.stats.save_errors += 1
-            if self.stats.save_errors == 1:
-                logger.warning("KVLabConnector: a save failed (%s: %s); nothing of it is stored, requests go "
-                               "on (logged once; counted in save_errors)", type(error).__name__, error)
-        with self._lock:
-            if spec.memory and kept:
+            self.errors.absorb("a save", error, "nothing of it is stored, requests go on (counted in save_errors)")
+        if spec.memory and kept:
+            with self._lock:
                 self._stored[spec.block_keys[-1]] += 1
-            elif spec.memory:
-                self._failed.add(spec.block_keys[-1])
+        elif spec.memory:
+            self.failures.chunk_failed(spec.block_keys[-1])
         self.stats.save_work_seconds += time.perf_counter() - start
 
     def _drop(self, chunk_keys: list[str], everything: bool) -> None:
@@ -368,9 +352,10 @@ class WorkerSide:
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Finished requests whose saves are all done (vLLM frees their blocks now)."""
+        self.errors.raise_pending()
+        self.failures.finished(finished_req_ids)
         with self._lock:
             self._finished |= {r for r in finished_req_ids if r in self._jobs}
-            self._tainted -= finished_req_ids
             done = {r for r in self._finished if all(f.done() for f in self._jobs[r])}
             for req_id in done:
                 del self._jobs[req_id]
@@ -381,10 +366,10 @@ class WorkerSide:
 
     def worker_meta(self) -> KVLabWorkerMeta | None:
         with self._lock:
-            meta = KVLabWorkerMeta(self._stored, self._failed,
-                                   self.signature if not self._reported_signature else None,
-                                   self._load_failed, self._missed)
-            self._stored, self._failed, self._load_failed, self._missed = Counter(), set(), set(), set()
+            stored, self._stored = self._stored, Counter()
+        failed, load_failed, missed = self.failures.take_reports()
+        meta = KVLabWorkerMeta(stored, failed, self.signature if not self._reported_signature else None,
+                               load_failed, missed)
         self._reported_signature = self._reported_signature or meta.signature is not None
         return meta if meta else None
 
@@ -392,6 +377,7 @@ class WorkerSide:
         """Wait for every queued save (at shutdown, before sleep, in tests)."""
         if self._saver is not None:
             self._saver.submit(lambda: None).result()
+        self.errors.raise_pending()
 
     def shutdown(self) -> None:
         self._fetchers.shutdown(wait=True)

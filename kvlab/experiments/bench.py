@@ -23,7 +23,7 @@ from kvlab.experiments.sweep import (
     NOISE_RATIO,
     PROFILES,
     Config,
-    _Setup,
+    Setup,
     ceiling_copy,
     check_methods,
     check_profile,
@@ -37,7 +37,7 @@ from kvlab.experiments.targets import CPU_TARGETS, ceiling_targets, format_targe
 from kvlab.experiments.timing import Clock, interleaved
 
 __all__ = [
-    "CPU_TARGETS", "DIRECTIONS", "MAX_SEGMENTS", "NOISE_RATIO", "PROFILES", "Clock", "Config", "attention_pipeline",
+    "CPU_TARGETS", "DIRECTIONS", "MAX_SEGMENTS", "NOISE_RATIO", "PROFILES", "Clock", "Config", "Setup", "attention_pipeline",
     "ceiling_copy", "ceiling_targets", "check_methods", "check_profile", "configs", "format_rows", "format_targets",
     "interleaved", "measure", "overlap_timing", "pipeline_timing", "ratio_spread", "resolve_device",
     "run_attention_sweep", "run_pipeline_sweep", "run_sweep",

@@ -86,9 +86,9 @@ def sharing_runs(model: str, prompts: list[list[int]], workdir: str | Path, redi
     row per engine run: hits, whether its tokens equal the cold ones, the counters."""
     shm = str(Path(workdir).resolve() / "shm")
     common = {"dtype": "float32", "max_tokens": 8, "multiprocessing": True}
-    writer = {"tiers": ["memory", "shm", "redis"], "shm_path": shm, "redis_url": redis_url}
-    readers = {"shared memory, another process": {"tiers": ["shm"], "shm_path": shm},
-               "Redis, another host": {"tiers": ["redis"], "redis_url": redis_url}}
+    writer = {"tiers": ["memory", "shm", "redis"], "shm": {"path": shm}, "redis": {"url": redis_url}}
+    readers = {"shared memory, another process": {"tiers": ["shm"], "shm": {"path": shm}},
+               "Redis, another host": {"tiers": ["redis"], "redis": {"url": redis_url}}}
     plans = [("writer (memory, shared memory, Redis)", EngineSpec(model, "kvlab", writer, phases=("cold", "warm"),
                                                                   **common), prompts)]
     plans += [(name, EngineSpec(model, "kvlab", extra, phases=("warm",), **common), prompts)

@@ -36,7 +36,7 @@ def overhead_profile(geometry: ModelGeometry, tokens: int = 2000, repeats: int =
     (``load_work_seconds``). One row per call: its median milliseconds per hit request over
     ``repeats``; then the copy, the rest of the load, the total, and the STREAM-style copy
     of the loaded bytes (the bound). ``extra``: the connector's settings (memory alone by
-    default; e.g. ``{"tiers": ["disk"], "disk_path": ...}``)."""
+    default; e.g. ``{"tiers": ["disk"], "disk": {"path": ...}}``)."""
     from kvlab.connector import reset_stores
     from kvlab.testing.driver import connector_pair, prefill, register, settle
 
@@ -106,14 +106,14 @@ def lookup_scaling(workdir: str | Path, redis_url: str | None, stored: tuple[int
     the first lookup of a new engine (``first_lookup_ms``: headers read, index filled) and
     its memory (``first_lookup_kib``, traced), and a repeated lookup (``lookup_ms``, median
     of ``repeats``)."""
-    tiers = {"disk": {"tiers": ["disk"], "disk_path": str(Path(workdir).resolve() / "lookup-disk")}}
+    tiers = {"disk": {"tiers": ["disk"], "disk": {"path": str(Path(workdir).resolve() / "lookup-disk")}}}
     if redis_url is not None:
         import redis
 
         from kvlab.store.secrets import resolve_redis_url
 
         redis.Redis.from_url(resolve_redis_url(redis_url)).flushdb()
-        tiers["redis"] = {"tiers": ["redis"], "redis_url": redis_url}
+        tiers["redis"] = {"tiers": ["redis"], "redis": {"url": redis_url}}
     rows = []
     for tier, extra in tiers.items():
         extra = {**extra, "chunk_size": LOOKUP_CHUNK_TOKENS}
@@ -163,7 +163,8 @@ def _fill(extra: dict, signature: str, filled: int, count: int) -> int:
 
 
 def _store_settings(extra: dict) -> dict:
-    return {key: extra[key] for key in ("disk_path", "redis_url") if key in extra}
+    """KVStore's tiers of the shared tiers ``extra`` names (as the connector opens them)."""
+    return {"tiers": {tier: extra[tier] for tier in ("disk", "redis") if tier in extra}}
 
 
 def _time_lookups(extra: dict, prompt: list[int], repeats: int, fresh: int) -> dict:
@@ -211,13 +212,13 @@ def lookup_memory(workdir: str | Path, chunks: int = 2000, chunk_blocks: int = 1
     from kvlab.store.tiers.disk import INDEXED_CHUNKS
 
     folder = Path(workdir) / "lookup-memory"
-    writer = KVStore(capacity_bytes=1 << 20, disk_path=folder, promote=False)
+    writer = KVStore(capacity_bytes=1 << 20, tiers={"disk": {"path": folder}}, promote=False)
     buffer = allocate("LBHNC", SCALE_GEOMETRY, chunk_blocks)
     crc = Chunk(["0" * 32], buffer, "memory").seal().crc
     written = [[os.urandom(16).hex() for _ in range(chunk_blocks)] for _ in range(chunks)]
     for keys in written:
         writer.save(Chunk(keys, buffer, "memory", crc), memory=False)
-    reader = KVStore(capacity_bytes=1 << 20, disk_path=folder, promote=False)
+    reader = KVStore(capacity_bytes=1 << 20, tiers={"disk": {"path": folder}}, promote=False)
     tracemalloc.start()
     for keys in written:
         reader.disk.locate_many(keys)
@@ -244,7 +245,7 @@ def redis_fetch_pace(redis_url: str, geometry: ModelGeometry, tokens: int = 2000
     client = redis.Redis.from_url(resolve_redis_url(redis_url))
     client.flushdb()
     profile = {row["call"]: row for row in overhead_profile(geometry, tokens, repeats,
-                                                             extra={"tiers": ["redis"], "redis_url": redis_url})}
+                                                             extra={"tiers": ["redis"], "redis": {"url": redis_url}})}
     names = sorted(key.decode() for key in client.keys("kvlab:c:*"))  # the prompt's chunks, stored by the profile
     raw = BulkReader(client.connection_pool.connection_kwargs, timeout_s=30)
     ways = {"server_get_s": lambda: [raw.get(name) for name in names],

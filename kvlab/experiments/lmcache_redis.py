@@ -40,7 +40,7 @@ def lmcache_redis_costs(url: str, geometry: ModelGeometry, tokens: int = 2048, c
                      {"PYTHONHASHSEED": "0", "LMCACHE_LOG_LEVEL": "WARNING", "LMCACHE_TRACK_USAGE": "false"})
 
 
-class _NoVLLM:
+class NoVLLM:
     """Refuse ``import vllm`` in this process: LMCache's token database tries it only to find
     a hash function and falls back to Python's own, which it uses here anyway."""
 
@@ -79,20 +79,30 @@ def kv2ltd_connector(source: Any, target: Any) -> Any:
 
 
 def _child(job_path: str, out_path: str) -> None:
-    sys.meta_path.insert(0, _NoVLLM())
+    sys.meta_path.insert(0, NoVLLM())
     import redis
+
+    job = json.loads(Path(job_path).read_text())
+    url = resolve_redis_url(job["url"])  # LMCache takes the password in the URL (and logs it in this child)
+    client = redis.Redis.from_url(url)
+    client.ping()
+    engine, source, target, stored = _lmcache_engine(job, url)
+    Path(out_path).write_text(json.dumps(_round_trips(job, engine, client, source, target, stored)))
+    # not LMCacheEngineBuilder.destroy: in LMCache 0.5.6 RedisConnector.close() waits, on its own
+    # event loop, for work that loop must run (a deadlock); the process ends here instead
+    os._exit(0)
+
+
+def _lmcache_engine(job: dict, url: str) -> tuple[Any, Any, Any, threading.Event]:
+    """LMCache's engine over the Redis server at ``url``, its source and target KV_2LTD
+    tensors, and an event set when its Redis put finished (``store`` returns before that)."""
     import torch
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
     from lmcache.v1.config import LMCacheEngineConfig
     from lmcache.v1.metadata import LMCacheMetadata
 
-    job = json.loads(Path(job_path).read_text())
-    layers, heads, head_size, tokens, chunk = job["layers"], job["heads"], job["head_size"], job["tokens"], job["chunk_tokens"]
+    layers, heads, head_size, chunk = job["layers"], job["heads"], job["head_size"], job["chunk_tokens"]
     dtype = getattr(torch, job["dtype"])
-
-    url = resolve_redis_url(job["url"])  # LMCache takes the password in the URL (and logs it in this child)
-    client = redis.Redis.from_url(url)
-    client.ping()
     config = LMCacheEngineConfig.from_defaults(chunk_size=chunk, local_cpu=False, max_local_cpu_size=0.5,
                                                remote_url=url.rsplit("/", 1)[0], remote_serde="naive",
                                                save_unfull_chunk=False, enable_async_loading=False)
@@ -100,7 +110,7 @@ def _child(job_path: str, out_path: str) -> None:
                                local_worker_id=0, kv_dtype=dtype, kv_shape=(layers, 2, chunk, heads, head_size),
                                chunk_size=chunk)
     generator = torch.Generator().manual_seed(0)
-    source = torch.randn(2, layers, tokens, heads * head_size, generator=generator).to(dtype)
+    source = torch.randn(2, layers, job["tokens"], heads * head_size, generator=generator).to(dtype)
     target = torch.zeros_like(source)
     engine = LMCacheEngineBuilder.get_or_create("kvlab-redis", config, metadata, kv2ltd_connector(source, target),
                                                 lambda tensor, rank: None, lambda obj, rank: obj)
@@ -117,10 +127,18 @@ def _child(job_path: str, out_path: str) -> None:
             stored.set()
 
     connection.batched_put = signalled_put
+    return engine, source, target, stored
+
+
+def _round_trips(job: dict, engine: Any, client: Any, source: Any, target: Any, stored: threading.Event) -> dict:
+    """The row: ``job["repeats"]`` stores and fetches of new keys, timed, with the objects
+    and the commands per chunk the server counted."""
+    import torch
 
     def commands() -> dict[str, int]:
         return {name.split("_", 1)[1]: stats["calls"] for name, stats in client.info("commandstats").items()}
 
+    tokens, chunk = job["tokens"], job["chunk_tokens"]
     chunks = tokens // chunk
     store_s, fetch_s, identical = [], [], True
     for repeat in range(job["repeats"]):
@@ -145,19 +163,14 @@ def _child(job_path: str, out_path: str) -> None:
     def per_chunk(counts: dict[str, int], *names: str) -> float:
         return sum(counts.get(name, 0) for name in names) / chunks
 
-    row = {"layout": "KV_2LTD", "cross_layer": False, "strategy": "LMCache Redis backend", "tokens": tokens,
-           "chunk_tokens": chunk, "chunks": chunks, "bytes": source.numel() * source.element_size(),
-           "objects_per_chunk": objects / chunks, "planned_objects_per_chunk": 2.0,
-           # one command a round trip: LMCache sends each chunk's SETs (GETs) one after the other
-           "store_round_trips_per_chunk": per_chunk(store_commands, "set"),
-           "fetch_round_trips_per_chunk": per_chunk(fetch_commands, "get", "exists"),
-           "store_s": statistics.median(store_s), "fetch_s": statistics.median(fetch_s),
-           "ceiling_store_s": None, "ceiling_fetch_s": None, "identical": identical}
-
-    Path(out_path).write_text(json.dumps(row))
-    # not LMCacheEngineBuilder.destroy: in LMCache 0.5.6 RedisConnector.close() waits, on its own
-    # event loop, for work that loop must run (a deadlock); the process ends here instead
-    os._exit(0)
+    return {"layout": "KV_2LTD", "cross_layer": False, "strategy": "LMCache Redis backend", "tokens": tokens,
+            "chunk_tokens": chunk, "chunks": chunks, "bytes": source.numel() * source.element_size(),
+            "objects_per_chunk": objects / chunks, "planned_objects_per_chunk": 2.0,
+            # one command a round trip: LMCache sends each chunk's SETs (GETs) one after the other
+            "store_round_trips_per_chunk": per_chunk(store_commands, "set"),
+            "fetch_round_trips_per_chunk": per_chunk(fetch_commands, "get", "exists"),
+            "store_s": statistics.median(store_s), "fetch_s": statistics.median(fetch_s),
+            "ceiling_store_s": None, "ceiling_fetch_s": None, "identical": identical}
 
 
 if __name__ == "__main__":

@@ -111,8 +111,9 @@ class LoadTest:
         root = Path(self.workdir)
         shm = Path("/dev/shm") / f"kvlab-load-{uuid.uuid4().hex[:12]}"
         folders = {"shm": shm, "disk": root / "disk"}
-        extra = {"tiers": ["memory", "shm", "disk"], "shm_path": str(shm), "disk_path": str(folders["disk"]),
-                 "store_bytes": self.tier_bytes, "shm_bytes": self.tier_bytes, "disk_bytes": 4 * self.tier_bytes}
+        extra = {"tiers": ["memory", "shm", "disk"], "store_bytes": self.tier_bytes,
+                 "shm": {"path": str(shm), "bytes": self.tier_bytes},
+                 "disk": {"path": str(folders["disk"]), "bytes": 4 * self.tier_bytes}}
         server = VLLMServer(self.model, self.connector, extra if self.connector == "kvlab" else {},
                             prefix_caching=self.connector == "none", dtype=self.dtype, max_model_len=1024,
                             args=("--num-gpu-blocks-override", str(self.num_gpu_blocks),

@@ -19,7 +19,7 @@ import torch
 
 from kvlab.cache.allocation import KVCache
 from kvlab.cache.geometry import ModelGeometry
-from kvlab.experiments.network import (_bytes_of, _gather, _runs, _scatter_bytes, fetch_through, random_cache,
+from kvlab.experiments.network import (block_runs, bytes_of, fetch_through, packed_bytes, random_cache, scatter_bytes,
                                        scattered_prefix, store_through, timings)
 from kvlab.experiments.timing import check_pace_sizes, repeated
 from kvlab.runtime.progress import progress
@@ -50,7 +50,7 @@ class _Way:
 
     def __init__(self, tier: MooncakeTier, cache: KVCache, chunks: list[list[int]]) -> None:
         self.tier, self.client, self.cache, self.chunks = tier, tier.client, cache, chunks
-        self.runs = [[(cache.storage[t].data_ptr() + offset, length) for t, offset, length in _runs(cache, ids)]
+        self.runs = [[(cache.storage[t].data_ptr() + offset, length) for t, offset, length in block_runs(cache, ids)]
                      for ids in chunks]
         for tensor in cache.storage:  # the cache as the transfer engine's source and target, as connectors do
             _ok([self.client.register_buffer(tensor.data_ptr(), tensor.numel() * tensor.element_size())], "register")
@@ -99,7 +99,7 @@ class _Gathered(_Way):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.buffers = [host_buffer(self.cache, len(ids)) for ids in self.chunks]
-        self.flats = [torch.cat(_bytes_of(b)) for b in self.buffers]
+        self.flats = [torch.cat(bytes_of(b)) for b in self.buffers]
 
     def objects_and_descriptors(self) -> tuple[float, float]:
         return 1.0, 1.0
@@ -107,7 +107,7 @@ class _Gathered(_Way):
     def store(self) -> None:
         for ids, buffer, flat in zip(self.chunks, self.buffers, self.flats):
             Transfer(self.cache, ids, buffer).run()
-            torch.cat(_bytes_of(buffer), out=flat)  # one object per chunk
+            torch.cat(bytes_of(buffer), out=flat)  # one object per chunk
         keys = [f"{self.tier.prefix}{c}" for c in range(len(self.chunks))]
         _ok(self.client.batch_put_from(keys, [f.data_ptr() for f in self.flats], [f.numel() for f in self.flats]), "put")
         self.calls += 1
@@ -117,7 +117,7 @@ class _Gathered(_Way):
         _ok(self.client.batch_get_into(keys, [f.data_ptr() for f in self.flats], [f.numel() for f in self.flats]), "get")
         self.calls += 1
         for ids, buffer, flat in zip(self.chunks, self.buffers, self.flats):
-            _scatter_bytes(flat, buffer)
+            scatter_bytes(flat, buffer)
             Transfer(buffer, range(len(ids)), self.cache, ids).run()
 
 
@@ -172,7 +172,7 @@ def mooncake_prefix_costs(url: str, geometry: ModelGeometry, layouts: Sequence[s
     rows = []
     for layout in progress(layouts, desc="layouts", unit="layout"):
         cache = random_cache(layout, geometry, 2 * len(block_ids), generator)
-        expected = _gather(cache, block_ids)
+        expected = packed_bytes(cache, block_ids)
         chunk_bytes = [len(ids) * geometry.block_bytes for ids in chunks]
         pace_store, pace_fetch = ready_objects(_client(url, f"pace-{layout}"), chunk_bytes, repeats)
         for strategy in STRATEGIES:
@@ -191,7 +191,7 @@ def mooncake_prefix_costs(url: str, geometry: ModelGeometry, layouts: Sequence[s
                 "store_calls_per_chunk": store_calls / repeats / len(chunks),
                 "fetch_calls_per_chunk": (way.calls - calls - store_calls) / repeats / len(chunks),
                 **timings(store=store, fetch=fetch, ceiling_store=pace_store, ceiling_fetch=pace_fetch),
-                "identical": torch.equal(_gather(cache, block_ids), expected),
+                "identical": torch.equal(packed_bytes(cache, block_ids), expected),
             })
             way.clear()
     return rows

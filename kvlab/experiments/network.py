@@ -33,22 +33,22 @@ STRATEGIES = ("object per run", "object per chunk (gather)", "kvlab Redis tier")
 PREFIX = "kvlab-bench:"
 
 
-def _runs(cache: KVCache, block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+def block_runs(cache: KVCache, block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
     """(tensor, byte offset, bytes) of each contiguous run ``block_ids`` occupy in ``cache``."""
     plan = copy_plan(cache, block_ids, host_buffer(cache, len(block_ids)), range(len(block_ids)))
     tensors, offsets, _, _, lengths = plan.lists
     return list(zip(tensors, offsets, lengths))
 
 
-def _gather(cache: KVCache, block_ids: Sequence[int]) -> torch.Tensor:
+def packed_bytes(cache: KVCache, block_ids: Sequence[int]) -> torch.Tensor:
     """The blocks' bytes, packed (to compare what was stored with what came back)."""
     buffer = host_buffer(cache, len(block_ids))
     Transfer(cache, block_ids, buffer).run()
-    return torch.cat(_bytes_of(buffer))
+    return torch.cat(bytes_of(buffer))
 
 
-def _scatter_bytes(flat: torch.Tensor, buffer: KVCache) -> None:
-    """Copy one object's bytes into ``buffer``'s tensors, laid end to end as ``_gather`` joins them."""
+def scatter_bytes(flat: torch.Tensor, buffer: KVCache) -> None:
+    """Copy one object's bytes into ``buffer``'s tensors, laid end to end as ``packed_bytes`` joins them."""
     start = 0
     for tensor in buffer.storage:
         part = tensor.view(-1).view(torch.uint8)
@@ -56,7 +56,8 @@ def _scatter_bytes(flat: torch.Tensor, buffer: KVCache) -> None:
         start += part.numel()
 
 
-def _bytes_of(cache: KVCache) -> list[torch.Tensor]:
+def bytes_of(cache: KVCache) -> list[torch.Tensor]:
+    """Each backing tensor of ``cache`` as its bytes (what one object per chunk joins)."""
     return [tensor.view(-1).view(torch.uint8) for tensor in cache.storage]
 
 
@@ -64,8 +65,8 @@ class _PerRun:
     """One Redis value per contiguous run, all of a chunk's in one pipelined round trip."""
 
     def __init__(self, client: Any, cache: KVCache, chunks: list[list[int]]) -> None:
-        self.client, self.flat = client, _bytes_of(cache)
-        self.runs = [_runs(cache, ids) for ids in chunks]
+        self.client, self.flat = client, bytes_of(cache)
+        self.runs = [block_runs(cache, ids) for ids in chunks]
         self.round_trips = 0
 
     def objects_per_chunk(self) -> float:
@@ -112,7 +113,7 @@ class _Gathered:
         for c, (ids, buffer) in enumerate(zip(self.chunks, self.buffers)):
             value = torch.frombuffer(bytearray(self.client.get(f"{PREFIX}{c}")), dtype=torch.uint8)
             self.round_trips += 1
-            _scatter_bytes(value, buffer)
+            scatter_bytes(value, buffer)
             Transfer(buffer, range(len(ids)), self.cache, ids).run()
 
 
@@ -182,7 +183,7 @@ def timings(**samples: list[float]) -> dict[str, Any]:
             for key, value in ((f"{name}_s", statistics.median(times)), (f"{name}_samples_s", times))}
 
 
-def _client(url: str) -> Any:
+def redis_client(url: str) -> Any:
     """A redis-py client of the server, or of the cluster, at ``url``."""
     import redis
 
@@ -235,12 +236,12 @@ def redis_prefix_costs(url: str, geometry: ModelGeometry, layouts: Sequence[str]
     allocator leaves them after a while), so no two are adjacent. On a Redis Cluster, also
     how many of its nodes the prefix's objects landed on."""
     block_ids, chunks, generator = scattered_prefix(geometry, tokens, chunk_tokens, seed)
-    client = _client(url)
+    client = redis_client(url)
     nodes = _nodes(client)
     rows = []
     for layout in progress(layouts, desc="layouts", unit="layout"):
         cache = random_cache(layout, geometry, 2 * len(block_ids), generator)
-        expected = _gather(cache, block_ids)
+        expected = packed_bytes(cache, block_ids)
         chunk_bytes = [len(ids) * geometry.block_bytes for ids in chunks]
         ceiling = _Ceiling(client, chunk_bytes)
         for strategy in STRATEGIES:
@@ -264,7 +265,7 @@ def redis_prefix_costs(url: str, geometry: ModelGeometry, layouts: Sequence[str]
                 "store_round_trips_per_chunk": trips / repeats / len(chunks),
                 "fetch_round_trips_per_chunk": (way.round_trips - trips) / repeats / len(chunks),
                 **timings(store=store, fetch=fetch, ceiling_store=ceiling_store, ceiling_fetch=ceiling_fetch),
-                "identical": torch.equal(_gather(cache, block_ids), expected),
+                "identical": torch.equal(packed_bytes(cache, block_ids), expected),
             })
         client.flushdb()
     return rows

@@ -97,13 +97,13 @@ def mooncake_peers(workdir: str | Path, model: str | Path | None = None, peers: 
             rows.append(row)
     if PEERS[3] in peers:  # kvlab's own tier, on the master's default lease
         with MooncakeStore(segment_mb=512, log_dir=workdir) as store:
-            rows.append(_kvlab_pair(PEERS[3], "mooncake", {"tiers": ["mooncake"], "mooncake_url": store.url}, job,
+            rows.append(_kvlab_pair(PEERS[3], "mooncake", {"tiers": ["mooncake"], "mooncake": {"url": store.url}}, job,
                                     lambda: [store.keys()]))
     if not {PEERS[2], PEERS[4]} & set(peers):
         return rows
     with RedisCluster(nodes=3, log_dir=workdir) as cluster:
         if PEERS[4] in peers:
-            rows.append(_kvlab_pair(PEERS[4], "redis cluster", {"tiers": ["redis"], "redis_url": cluster.url}, job,
+            rows.append(_kvlab_pair(PEERS[4], "redis cluster", {"tiers": ["redis"], "redis": {"url": cluster.url}}, job,
                                     cluster.keys_per_node))
             cluster.flush()
         if PEERS[2] not in peers:
@@ -235,9 +235,9 @@ def _wait_for_keys(count: dict, timeout: float = 60) -> None:
 def _lmcache_child(job: dict) -> dict:
     """LMCache's engine beside a transformers model: A prefills, decodes, stores; B
     retrieves, recomputes the last prompt token, decodes."""
-    from kvlab.experiments.lmcache_redis import _NoVLLM, kv2ltd_connector
+    from kvlab.experiments.lmcache_redis import NoVLLM, kv2ltd_connector
 
-    sys.meta_path.insert(0, _NoVLLM())
+    sys.meta_path.insert(0, NoVLLM())
     import torch
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
     from lmcache.v1.config import LMCacheEngineConfig

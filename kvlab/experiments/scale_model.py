@@ -44,10 +44,10 @@ def redis_object_pace(url: str, total_bytes: int = 8 << 20, object_bytes: Sequen
     own pipeline): rows like mooncake_costs.object_pace's."""
     import statistics
 
-    from kvlab.experiments.network import _client
+    from kvlab.experiments.network import redis_client
 
     check_pace_sizes(total_bytes, object_bytes, repeats)
-    client = _client(url)
+    client = redis_client(url)
     store = "redis cluster" if hasattr(client, "get_primaries") else "redis"
     rows = []
     for size in progress(object_bytes, desc="object sizes", unit="size"):

@@ -24,7 +24,6 @@ from kvlab.runtime.progress import progress
 from kvlab.testing.compare import same_outputs
 from kvlab.testing.engine import EngineSpec, check_inputs, run_engine
 
-LENGTHS = (512, 2048, 8000)  # SmolLM2 holds 8192 tokens
 CONCURRENCY = (1, 4, 16, 32)
 SHARED_TIERS = ("shm", "disk", "redis")
 EXAMPLE_MAX_TOKENS = 4096  # vLLM's CPU engine computes at most this many tokens per step (max_num_batched_tokens)
@@ -50,12 +49,12 @@ def costs_by_length(model: str, prompts: list[list[int]], workdir: str | Path, r
     token_bytes = geometry_of(model, dtype=dtype, block_size=block_size).token_bytes
     workdir = Path(workdir).resolve()
     shm = Path("/dev/shm") / f"kvlab-lengths-{uuid.uuid4().hex[:12]}"
-    where = {"shm": {"shm_path": str(shm)}, "disk": {"disk_path": str(workdir / "disk")}, "redis": {"redis_url": redis_url}}
+    where = {"shm": {"shm": {"path": str(shm), "bytes": 2 << 30}},
+             "disk": {"disk": {"path": str(workdir / "disk"), "bytes": 4 << 30}}, "redis": {"redis": {"url": redis_url}}}
     common = {"model": model, "dtype": dtype, "block_size": block_size, "prefix_caching": True,
               "max_model_len": max(map(len, prompts)) + 1}
     pairs = ("warm", "floor") * repeats
-    every = {"tiers": list(SHARED_TIERS), **where["shm"], **where["disk"], **where["redis"],
-             "shm_bytes": 2 << 30, "disk_bytes": 4 << 30}
+    every = {"tiers": list(SHARED_TIERS), **where["shm"], **where["disk"], **where["redis"]}
     plans = [("vLLM prefix cache", EngineSpec(**common, phases=("cold", "floor"))),
              ("KVLab, memory", EngineSpec(**common, connector="kvlab", extra={"tiers": ["memory"]},
                                           phases=("cold", *pairs))),

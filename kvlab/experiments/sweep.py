@@ -121,7 +121,7 @@ class Config:
         }
 
 
-class _Setup:
+class Setup:
     """Caches and buffers for a geometry/layout/tokens, shared by every method and direction."""
 
     def __init__(self, config: Config, device: torch.device, seed: int) -> None:
@@ -138,7 +138,7 @@ class _Setup:
         self.ids = ids
 
 
-def measure(config: Config, device: torch.device, repeats: int, setup: _Setup) -> dict[str, Any]:
+def measure(config: Config, device: torch.device, repeats: int, setup: Setup) -> dict[str, Any]:
     """Time one configuration against its ceiling; a method that cannot run here (checked
     before anything is timed) is a row that says why, and one that raises while timed fails
     the sweep: a failure is never a row."""
@@ -303,12 +303,12 @@ def run_sweep(configurations: Sequence[Config], device: str | torch.device = "au
         check_fits(largest.memory_bytes, device, f"measuring {largest.tokens:,} tokens of {largest.geometry.name}")
     run = start_run(device, out)
     rows = []
-    setups: dict[tuple, _Setup] = {}
+    setups: dict[tuple, Setup] = {}
     for config in progress(configurations, "transfer sweep", leave=False):
         key = (config.geometry, config.layout, config.tokens, config.block_ids, config.target)
         if key not in setups:
             setups.clear()  # one set of caches at a time: memory stays bounded
-            setups[key] = _Setup(config, device, seed)
+            setups[key] = Setup(config, device, seed)
         rows.append({"run_id": run["run_id"], **measure(config, device, repeats, setups[key])})
         append_results(out, rows[-1:])  # row by row: a run cut short keeps what it measured
     setups.clear()

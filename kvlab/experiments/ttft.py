@@ -59,7 +59,7 @@ def ttft_scenarios(model: str, prompts: list[list[int]], workdir: str | Path, dt
               {"cold": Reuse.RECOMPUTE.label, "floor": Reuse.VLLM_PREFIX_HIT.label})]
     for mode in modes:
         label = {"whole-step": Reuse.KVLAB_WHOLE_STEP, "layerwise": Reuse.KVLAB_LAYERWISE}[mode].label
-        extra = {**kvlab, "layerwise": mode == "layerwise", "store": "disk", "disk_path": str(workdir / f"kvlab-{mode}")}
+        extra = {**kvlab, "layerwise": mode == "layerwise", "store": "disk", "disk": {"path": str(workdir / f"kvlab-{mode}")}}
         plans.append((label, EngineSpec(**common, connector="kvlab", extra=extra,
                                         phases=("cold", *paired("warm", "warm-disk"))),
                       {"warm": f"{label}, memory", "warm-disk": f"{label}, disk"}))
@@ -229,7 +229,7 @@ def layouts_in_the_engine(model: str, prompts: list[list[int]], redis: Any, dtyp
     plans = [(None, None, EngineSpec(**common, phases=("cold",) + ("floor",) * repeats))]
     for layout in layouts:
         for mode in modes:
-            extra = {"tiers": ["memory", "redis"], "redis_url": redis.database(len(plans)), "enable_cross_layers_blocks": layout == "BLHNC",
+            extra = {"tiers": ["memory", "redis"], "redis": {"url": redis.database(len(plans))}, "enable_cross_layers_blocks": layout == "BLHNC",
                      **CONNECTOR_MODES[mode], **({"chunk_size": chunk_size} if chunk_size else {})}
             plans.append((layout, mode, EngineSpec(**common, connector="kvlab", extra=extra, phases=("cold", *paired))))
     rows, plain = [], None

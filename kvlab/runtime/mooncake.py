@@ -202,7 +202,7 @@ class MooncakeStore:
     def extra(self, **tiers: Any) -> dict[str, Any]:
         """KVLabConnector's ``kv_connector_extra_config`` for this store: its memory, then
         Mooncake (``tiers`` overrides any key)."""
-        return {"tiers": ["memory", "mooncake"], "mooncake_url": self.url, **tiers}
+        return {"tiers": ["memory", "mooncake"], "mooncake": {"url": self.url}, **tiers}
 
     def keys(self) -> int:
         """How many objects the master knows."""

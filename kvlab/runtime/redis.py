@@ -115,7 +115,7 @@ class RedisServer(ManagedServer):
     def extra(self, **tiers: Any) -> dict[str, Any]:
         """KVLabConnector's ``kv_connector_extra_config`` for this server: its memory,
         then Redis (``tiers`` overrides any key)."""
-        return {"tiers": ["memory", "redis"], "redis_url": self.url, **tiers}
+        return {"tiers": ["memory", "redis"], "redis": {"url": self.url}, **tiers}
 
     def keys(self) -> int:
         """How many keys it holds."""

@@ -25,7 +25,6 @@ from kvlab.runtime.redis import RedisError, RedisServer, new_password_folder
 from kvlab.runtime.servers import HOST, free_port
 from kvlab.store.secrets import CLUSTER_SCHEME, PASSWORD_FILE
 
-SLOTS = 16384
 CREATE_TIMEOUT_S = 60.0
 
 
@@ -171,7 +170,7 @@ class RedisCluster:
     def extra(self, **tiers: Any) -> dict[str, Any]:
         """KVLabConnector's ``kv_connector_extra_config`` for this cluster: its memory, then
         Redis (``tiers`` overrides any key)."""
-        return {"tiers": ["memory", "redis"], "redis_url": self.url, **tiers}
+        return {"tiers": ["memory", "redis"], "redis": {"url": self.url}, **tiers}
 
     def client(self, timeout_s: float = 2.0):  # noqa: ANN201 - a redis.RedisCluster
         """A redis-py cluster client, logged in."""

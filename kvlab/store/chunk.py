@@ -22,10 +22,11 @@ from kvlab.cache.allocation import KVCache, allocations, from_storage
 from kvlab.cache.geometry import DTYPES, ModelGeometry, dtype_name
 from kvlab.cache.layouts import LAYOUTS
 from kvlab.cache.quant import QUANTS
+from kvlab.store.faults import FailedCheck
 from kvlab.store.keys import valid_key
 
 _MAGIC = b"KVLAB-CHUNK-1\n"
-_SUFFIX = ".kvchunk"
+FILE_SUFFIX = ".kvchunk"
 _MAX_HEADER_BYTES = 1 << 20
 _MAX_CHUNK_BLOCKS = 1 << 16
 # Bytes read first where a header is read by range: a chunk of up to ~100 blocks has one this long.
@@ -221,7 +222,7 @@ def chunk_from(header: Header, flat: torch.Tensor) -> Chunk:
     return Chunk(header.block_keys, buffer, header.signature, header.crc)
 
 
-class ForgedChunk(ValueError):
+class ForgedChunk(FailedCheck):
     """A stored chunk whose MAC the store's ``auth_key`` does not give."""
 
 

@@ -1,6 +1,6 @@
-"""Where KVLabConnector keeps offloaded KV: :class:`KVStore` composes the tiers (memory,
-then host-shared memory, disk and Redis: every tier kvlab.store.tiers registers) and is the
-connector's one way in. A chunk that fails its checksum, whose file header does not parse,
+"""Where KVLabConnector keeps offloaded KV: :class:`KVStore` composes the tiers (its memory,
+then those it is given of host-shared memory, disk, Redis, Mooncake and any other tier
+kvlab.store.tiers registers) and is the connector's one way in. A chunk that fails its checksum, whose file header does not parse,
 or that was written for another model or layout is a miss (and is dropped), never loaded. A
 full store evicts least recently *used* chunks; a tier that fails (a full or read-only disk)
 is logged once, counted and paused; no error of a tier ever reaches a request.
@@ -10,12 +10,21 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 from kvlab.store.chunk import Chunk, Header
+from kvlab.store.faults import FAULTS
 from kvlab.store.keys import holds, shard_key, valid_key
-from kvlab.store.tiers import DiskTier, MemoryTier, StoreStats, Tier, open_tiers
+from kvlab.store.tiers import (
+    DiskTier,
+    MemoryTier,
+    StoreStats,
+    Tier,
+    open_tier,
+    shared_tier_names,
+    tier_names,
+    tier_settings,
+)
 
 # (rank, workers): the shard of each block a worker writes to and reads from the shared tiers.
 WHOLE = (0, 1)
@@ -47,11 +56,13 @@ class Stored:
 
 @dataclass
 class KVStore:
-    """Chunks by key in host memory (LRU within ``capacity_bytes``), written through to
-    the shared tiers given: a host-shared memory folder (``shm_path``), a disk folder
-    (``disk_path``, LRU by last use within ``disk_capacity_bytes``) and a Redis server
-    (``redis_url``, a Redis Cluster too) and a Mooncake Store (``mooncake_url``, lending it
-    ``mooncake_segment_bytes`` of this process's memory), looked up in that order.
+    """Chunks by key in host memory (LRU within ``capacity_bytes``), written through to the
+    shared tiers ``tiers`` names, each with its settings (kvlab.store.tiers.registry: a
+    mapping of its keys, or its settings class's instance), looked up in the registry's
+    order: e.g. ``KVStore(tiers={"shm": {}, "disk": {"path": "/var/cache/kvlab"}})`` adds a
+    host-shared memory folder (``/dev/shm/kvlab-default``) and a disk folder (LRU by last use
+    within its ``bytes``); ``redis`` (a server or a Redis Cluster) and ``mooncake`` (a
+    Mooncake Store) take a ``url``. No other tier opens.
 
     ``verify`` is "disk" (check the CRC of every chunk read from a shared tier; trust
     chunks this process sealed in memory) or "always" (also at every memory hit, ~4 ms per
@@ -63,46 +74,37 @@ class KVStore:
     user included, cannot forge a chunk.
 
     Thread-safe: one lock guards the memory tier. The shared tiers' reads and writes run
-    outside it (each is safe for several processes at once), so a memory hit never waits
-    for a disk or Redis write.
+    outside it (each is safe for several processes at once, and guards what it keeps in
+    memory with a lock of its own), so a memory hit never waits for a disk or Redis write.
     """
 
     capacity_bytes: int = 2 << 30
-    disk_path: str | Path | None = None
-    disk_capacity_bytes: int = 16 << 30
+    tiers: Mapping[str, Any] = field(default_factory=dict)
     verify: str = "disk"
     stats: StoreStats = field(default_factory=StoreStats)
-    shm_path: str | Path | None = None
-    shm_capacity_bytes: int = 4 << 30
-    redis_url: str | None = None
-    mooncake_url: str | None = None
-    mooncake_segment_bytes: int = 0
     promote: bool = True
     auth_key: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("capacity_bytes", "disk_capacity_bytes", "shm_capacity_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive number of bytes, got {value!r}")
-        if isinstance(self.mooncake_segment_bytes, bool) or not isinstance(self.mooncake_segment_bytes, int) \
-                or self.mooncake_segment_bytes < 0:
-            raise ValueError(f"mooncake_segment_bytes must be a non-negative number of bytes, "
-                             f"got {self.mooncake_segment_bytes!r}")
+        if isinstance(self.capacity_bytes, bool) or not isinstance(self.capacity_bytes, int) or self.capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be a positive number of bytes, got {self.capacity_bytes!r}")
         if self.verify not in ("always", "disk"):
             raise ValueError(f"verify must be 'always' or 'disk', got {self.verify!r}")
         if self.auth_key is not None and (not isinstance(self.auth_key, bytes) or len(self.auth_key) < 16):
             raise ValueError("auth_key must be at least 16 bytes (e.g. os.urandom(32)), or None")
-        self.shm_path = None if self.shm_path is None else Path(self.shm_path)
-        self.disk_path = None if self.disk_path is None else Path(self.disk_path)
+        if not isinstance(self.tiers, Mapping) or not all(isinstance(name, str) for name in self.tiers):
+            raise ValueError(f"tiers must map tier names to their settings, got {self.tiers!r}")
+        unknown = [name for name in self.tiers if name not in tier_names()]
+        if unknown or "memory" in self.tiers:
+            raise ValueError(f"tiers names the shared tiers to open, of {list(shared_tier_names())} (every store has "
+                             f"its memory, within capacity_bytes); got {list(self.tiers)}")
+        self.tiers = {name: tier_settings(name, self.tiers[name]) for name in tier_names() if name in self.tiers}
         self._lock = threading.RLock()
-        tiers = open_tiers(self)
-        own = [tier for tier in tiers if not tier.shared]
-        if [tier.name for tier in own] != ["memory"]:
-            raise ValueError(f"a store needs exactly one tier of its process's own, 'memory'; the registered tiers "
-                             f"opened {[tier.name for tier in own]}")
-        self._memory: MemoryTier = own[0]
-        self._shared: tuple[Tier, ...] = tuple(tier for tier in tiers if tier.shared)
+        self._memory: MemoryTier = open_tier("memory", None, self)
+        self._shared: tuple[Tier, ...] = tuple(open_tier(name, settings, self) for name, settings in self.tiers.items())
+        own = [tier.name for tier in (self._memory, *self._shared) if not tier.shared]
+        if own != ["memory"]:
+            raise ValueError(f"a store needs exactly one tier of its process's own, 'memory'; its tiers opened {own}")
         self._shared_names = tuple(tier.name for tier in self._shared)
 
     # ---- what it is made of (read-only) ------------------------------------------------
@@ -115,6 +117,12 @@ class KVStore:
     def shared_names(self) -> tuple[str, ...]:
         """Their names, in lookup order (a scheduler asks this for every block it looks up)."""
         return self._shared_names
+
+    @property
+    def faults(self) -> tuple[type[BaseException], ...]:
+        """The errors that are this store's faults, not kvlab's (kvlab.store.faults): OSError,
+        StoreFault, and the errors each of its tiers names as its own."""
+        return (*FAULTS, *(kind for tier in (self._memory, *self._shared) for kind in getattr(tier, "errors", ())))
 
     @property
     def disk(self) -> DiskTier | None:

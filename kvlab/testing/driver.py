@@ -34,7 +34,8 @@ from kvlab.connector.vllm_views import vllm_hybrid, vllm_layer_views
 def stand_in_config(geometry: ModelGeometry, extra: dict | None = None, model: str | None = None,
                     workers: int = 1) -> SimpleNamespace:
     """The parts of a VllmConfig the connector reads, around a real KVTransferConfig;
-    ``model`` is the model's folder (default: a name that is no folder)."""
+    ``model`` is the model's folder (default: a name that is no folder). The connector is
+    strict unless ``extra`` says otherwise: an error that is not the store's fault raises."""
     model = SimpleNamespace(
         model=model or f"/models/{geometry.name}", dtype=geometry.dtype, use_mla=geometry.is_mla,
         get_num_kv_heads=lambda parallel: geometry.num_kv_heads, get_head_size=lambda: geometry.head_size,
@@ -42,7 +43,7 @@ def stand_in_config(geometry: ModelGeometry, extra: dict | None = None, model: s
         hf_text_config=SimpleNamespace(kv_lora_rank=geometry.kv_lora_rank, qk_rope_head_dim=geometry.qk_rope_head_dim),
     )
     transfer = KVTransferConfig(kv_connector="KVLabConnector", kv_connector_module_path="kvlab.connector",
-                                kv_role="kv_both", kv_connector_extra_config=dict(extra or {}),
+                                kv_role="kv_both", kv_connector_extra_config={"strict": True, **(extra or {})},
                                 kv_load_failure_policy="recompute")
     return SimpleNamespace(kv_transfer_config=transfer, model_config=model,
                            parallel_config=SimpleNamespace(tensor_parallel_size=workers),

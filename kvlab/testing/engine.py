@@ -39,10 +39,10 @@ class EngineSpec:
     "warm-<damage>" ("warm-zeroed", "warm-noise-1pct", ... from kvlab.store.damage.DAMAGES)
     runs after everything else: KVLabConnector's in-memory chunks are damaged that way first
     (and put back after), so its outputs show how a check moves when the reloaded KV is bad.
-    "warm-redis-down" runs last: the Redis server of ``extra["redis_url"]`` is shut down
+    "warm-redis-down" runs last: the Redis server of the connector's redis tier is shut down
     first, as a crash would, so the connector must miss (or fail its loads) and recompute (of
     a Redis Cluster, the node the URL names: what it served misses, the rest hits);
-    "warm-mooncake-down" the same for the Mooncake master of ``extra["mooncake_url"]``.
+    "warm-mooncake-down" the same for the Mooncake master of its mooncake tier.
     "reload-<i>" runs last too: ``reloads[i]`` is loaded into the running engine first, as an
     RL trainer loads new weights (``{"weights": folder, "how": "path" or "iterator",
     "reset": "none", "prefix" or "connector"}``: ``Worker.reload_weights`` with
@@ -228,81 +228,33 @@ def _schedule(phases: tuple[str, ...], prompts: int, batch: bool) -> list[tuple[
 
 def _child(job_path: str, out_path: str) -> None:
     """The engine process: build the LLM, run the phases, write JSON."""
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
-
     job = json.loads(Path(job_path).read_text())
     spec = EngineSpec(**{**job["spec"], "stop": tuple(job["spec"]["stop"])})
-    forced = job.get("forced") or [None] * len(job["prompts"])
-    salts = job.get("salts") or [None] * len(job["prompts"])
-    loras = [_lora_request(spec, name) for name in job.get("loras") or [None] * len(job["prompts"])]
-    transfer = kv_transfer_config(spec.connector, spec.extra, spec.workdir)
-    if spec.connector == "lmcache":
-        from kvlab.runtime.vllm_cpu import fix_vllm_cpu_kernel_scan
-
-        fix_vllm_cpu_kernel_scan()
-    llm = LLM(model=spec.model, dtype=spec.dtype, block_size=spec.block_size, enforce_eager=True,
-              enable_prefix_caching=spec.prefix_caching, max_model_len=spec.max_model_len, seed=0,
-              max_num_batched_tokens=spec.max_num_batched_tokens, **_lora_options(spec),
-              num_gpu_blocks_override=spec.num_gpu_blocks, **({"max_num_seqs": spec.max_num_seqs} if spec.max_num_seqs else {}),
-              tensor_parallel_size=spec.tensor_parallel_size,
-              **({"attention_backend": spec.attention_backend} if spec.attention_backend else {}),
-              kv_transfer_config=KVTransferConfig(**transfer) if transfer else None,
-              logits_processors=[_forced_tokens_processor()] if any(forced) else None)
-
-    def params(tokens: list[int] | None) -> SamplingParams:
-        if tokens:
-            return SamplingParams(max_tokens=len(tokens), temperature=0.0, logprobs=0, ignore_eos=True,
-                                  extra_args={"forced_tokens": tokens})
-        return SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, logprobs=1, stop=list(spec.stop) or None)
-
+    prompts = job["prompts"]
+    forced = job.get("forced") or [None] * len(prompts)
+    salts = job.get("salts") or [None] * len(prompts)
+    loras = [_lora_request(spec, name) for name in job.get("loras") or [None] * len(prompts)]
+    # KVLabConnector strict unless the spec says otherwise: a bug raises instead of recomputing
+    transfer = kv_transfer_config(spec.connector, {"strict": True, **spec.extra} if spec.connector == "kvlab"
+                                  else spec.extra, spec.workdir)
+    llm = _llm(spec, transfer, forcing=any(forced))
     llm.collective_rpc(worker_calls.start_clock, args=(transfer,))  # in each worker, where the connector runs
-    llm.generate([{"prompt_token_ids": [1, 2, 3]}], params(None), use_tqdm=False)  # warm-up, no shared prefix
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], _params(spec, None), use_tqdm=False)  # warm-up, no shared prefix
     llm.collective_rpc(worker_calls.read_clock)
     result: dict[str, Any] = {"phases": {}}
-    in_process = not (spec.multiprocessing or spec.tensor_parallel_size > 1)  # as EngineSpec.environment sets it
     counted: dict[str, float] = {}  # KVLabConnector's counters so far (each row gets its own share)
-    for phase, indices in _schedule(spec.phases, len(job["prompts"]), spec.batch):
-        if phase.startswith("reload-") and phase not in result["phases"]:
-            reload = spec.reloads[int(phase.split("-")[1])]
-            llm.collective_rpc(worker_calls.reload_weights, args=(reload["weights"], reload["how"]))
-            if reload.get("reset", "none") != "none":
-                _reset(llm, in_process, reset_connector=reload["reset"] == "connector")
-        if phase == "warm-disk":  # the connector forgets its memory tiers; what it wrote through stays
-            _reset(llm, in_process, reset_connector=True)
-        if phase in DAMAGE_PHASES:
-            llm.collective_rpc(worker_calls.damage_memory, args=(DAMAGE_PHASES[phase],))
-        if phase == "warm-redis-down" and phase not in result["phases"]:  # once, before its first prompt
-            from kvlab.runtime.redis import shut_down
-
-            shut_down(spec.extra["redis_url"])
-        if phase == "warm-mooncake-down" and phase not in result["phases"]:
-            from kvlab.runtime.mooncake import shut_down
-
-            shut_down(spec.extra["mooncake_url"])
-        if phase.startswith("warm") and spec.prefix_caching:
-            _reset(llm, in_process)  # vLLM's own copy goes; the connector's store stays
+    for phase, indices in _schedule(spec.phases, len(prompts), spec.batch):
+        _before_phase(llm, spec, phase, first=phase not in result["phases"])
         start = time.perf_counter()
-        requests = [{"prompt_token_ids": job["prompts"][i], **({"cache_salt": salts[i]} if salts[i] else {})}
-                    for i in indices]
-        outputs = llm.generate(requests, [params(forced[i]) for i in indices], use_tqdm=False,
+        requests = [{"prompt_token_ids": prompts[i], **({"cache_salt": salts[i]} if salts[i] else {})} for i in indices]
+        outputs = llm.generate(requests, [_params(spec, forced[i]) for i in indices], use_tqdm=False,
                                lora_request=[loras[i] for i in indices] if spec.lora_adapters else None)
         seconds = time.perf_counter() - start
-        if spec.connector == "kvlab":  # its saves finish now: counted with this phase, not timed in the next
-            llm.collective_rpc(worker_calls.settle_saves)
-        if phase in DAMAGE_PHASES:
-            llm.collective_rpc(worker_calls.undo_damage)
-        spent = llm.collective_rpc(worker_calls.read_clock)[0]
-        spent["worker_rss_mib"] = llm.collective_rpc(worker_calls.resident_mib)[0]
-        if spec.connector == "kvlab":
-            ours = llm.collective_rpc(worker_calls.connector_stats)[0].get(spec.extra.get("store_name", "default"), {})
-            now = {k: v for k, v in ours.items() if isinstance(v, (int, float))}
-            spent["kvlab"] = {k: v - counted.get(k, 0) for k, v in now.items()}
-            counted = now
+        spent, counted = _after_phase(llm, spec, phase, counted)
         for index, output in zip(indices, outputs):
             completion = output.outputs[0]
             result["phases"].setdefault(phase, []).append({
-                "prompt": index, "seconds": seconds, "prompt_tokens": len(job["prompts"][index]),
+                "prompt": index, "seconds": seconds, "prompt_tokens": len(prompts[index]),
                 "cached_tokens": output.num_cached_tokens or 0, **spent,
                 "token_ids": list(completion.token_ids),
                 "logprobs": [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)],
@@ -312,6 +264,87 @@ def _child(job_path: str, out_path: str) -> None:
         result["ranks"] = llm.collective_rpc(worker_calls.connector_stats)
         result["connector"] = result["ranks"][0]
     Path(out_path).write_text(json.dumps(result))
+
+
+def _llm(spec: EngineSpec, transfer: dict | None, forcing: bool) -> Any:
+    """vLLM's engine as ``spec`` says, with the connector's ``transfer`` config; ``forcing``:
+    some prompt is teacher-forced (:func:`_forced_tokens_processor`)."""
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    if spec.connector == "lmcache":
+        from kvlab.runtime.vllm_cpu import fix_vllm_cpu_kernel_scan
+
+        fix_vllm_cpu_kernel_scan()
+    return LLM(model=spec.model, dtype=spec.dtype, block_size=spec.block_size, enforce_eager=True,
+               enable_prefix_caching=spec.prefix_caching, max_model_len=spec.max_model_len, seed=0,
+               max_num_batched_tokens=spec.max_num_batched_tokens, **_lora_options(spec),
+               num_gpu_blocks_override=spec.num_gpu_blocks,
+               **({"max_num_seqs": spec.max_num_seqs} if spec.max_num_seqs else {}),
+               tensor_parallel_size=spec.tensor_parallel_size,
+               **({"attention_backend": spec.attention_backend} if spec.attention_backend else {}),
+               kv_transfer_config=KVTransferConfig(**transfer) if transfer else None,
+               logits_processors=[_forced_tokens_processor()] if forcing else None)
+
+
+def _params(spec: EngineSpec, tokens: list[int] | None) -> Any:
+    """Greedy sampling; with ``tokens``, exactly those (teacher forcing), each one's logprob reported."""
+    from vllm import SamplingParams
+
+    if tokens:
+        return SamplingParams(max_tokens=len(tokens), temperature=0.0, logprobs=0, ignore_eos=True,
+                              extra_args={"forced_tokens": tokens})
+    return SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, logprobs=1, stop=list(spec.stop) or None)
+
+
+def _before_phase(llm: Any, spec: EngineSpec, phase: str, first: bool) -> None:
+    """What ``phase`` needs before each generate call (``first``: its first): new weights,
+    caches emptied, memory chunks damaged, a server shut down."""
+    in_process = not (spec.multiprocessing or spec.tensor_parallel_size > 1)  # as EngineSpec.environment sets it
+    if phase.startswith("reload-") and first:
+        reload = spec.reloads[int(phase.split("-")[1])]
+        llm.collective_rpc(worker_calls.reload_weights, args=(reload["weights"], reload["how"]))
+        if reload.get("reset", "none") != "none":
+            _reset(llm, in_process, reset_connector=reload["reset"] == "connector")
+    if phase == "warm-disk":  # the connector forgets its memory tiers; what it wrote through stays
+        _reset(llm, in_process, reset_connector=True)
+    if phase in DAMAGE_PHASES:
+        llm.collective_rpc(worker_calls.damage_memory, args=(DAMAGE_PHASES[phase],))
+    if phase == "warm-redis-down" and first:  # once, before its first prompt
+        from kvlab.runtime.redis import shut_down
+
+        shut_down(_tier_url(spec, "redis"))
+    if phase == "warm-mooncake-down" and first:
+        from kvlab.runtime.mooncake import shut_down
+
+        shut_down(_tier_url(spec, "mooncake"))
+    if phase.startswith("warm") and spec.prefix_caching:
+        _reset(llm, in_process)  # vLLM's own copy goes; the connector's store stays
+
+
+def _after_phase(llm: Any, spec: EngineSpec, phase: str, counted: dict[str, float]
+                 ) -> tuple[dict[str, Any], dict[str, float]]:
+    """What the generate call spent in the workers (clocks, memory and, for KVLabConnector,
+    its counters' share since ``counted``), and the counters now; damage undone."""
+    if spec.connector == "kvlab":  # its saves finish now: counted with this phase, not timed in the next
+        llm.collective_rpc(worker_calls.settle_saves)
+    if phase in DAMAGE_PHASES:
+        llm.collective_rpc(worker_calls.undo_damage)
+    spent = llm.collective_rpc(worker_calls.read_clock)[0]
+    spent["worker_rss_mib"] = llm.collective_rpc(worker_calls.resident_mib)[0]
+    if spec.connector == "kvlab":
+        ours = llm.collective_rpc(worker_calls.connector_stats)[0].get(spec.extra.get("store_name", "default"), {})
+        now = {k: v for k, v in ours.items() if isinstance(v, (int, float))}
+        spent["kvlab"] = {k: v - counted.get(k, 0) for k, v in now.items()}
+        counted = now
+    return spent, counted
+
+
+def _tier_url(spec: EngineSpec, tier: str) -> str:
+    """The URL of the connector's ``tier``, as its config reads it."""
+    from kvlab.connector.config import ConnectorConfig
+
+    return ConnectorConfig.parse(spec.extra).tier_settings[tier].url
 
 
 def _reset(llm: Any, in_process: bool, reset_connector: bool = False, seconds: float = 60) -> None:

@@ -34,6 +34,8 @@ class CopyMethod:
     # load of several chunks); None: kvlab.transfer.run_all runs them one by one
     run_many: Callable[[Any, int], None] | None = None
     rank: int = 100  # position in tables and figures
+    # where method="auto" (the connector's default) tries it, lowest first; None: "auto" never picks it
+    preference: int | None = None
 
     @property
     def legend(self) -> str:
@@ -99,6 +101,12 @@ class _Names(Sequence[str]):
 METHODS = _Names(peer=False)
 PEERS = _Names(peer=True)
 ALL_METHODS = _Names(peer=None)
+
+
+def preferred_methods() -> list[str]:
+    """kvlab's methods that method="auto" may pick, most preferred first (CopyMethod.preference)."""
+    chosen = [m for m in _REGISTRY.values() if m.preference is not None and not m.peer]
+    return [m.name for m in sorted(chosen, key=lambda m: m.preference)]
 
 
 def method_status(method: str, src: KVCache, dst: KVCache) -> str | None:

@@ -196,3 +196,26 @@ def test_bad_layout_is_refused_under_python_O():
     done = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("refused: layout 'mine': order must hold"), done.stdout
+
+
+def test_roles_are_data_on_the_layout():
+    """What a connector adopts a vLLM cache as, what vLLM order a layout reads and how
+    LMCache's CPU fallback views it are fields, not names: a layout registered with a role
+    takes its part at once."""
+    from dataclasses import replace
+
+    from kvlab.cache.layouts import by_role, register_layout, unregister_layout
+
+    assert by_role("mla") == ["mla_v0.29", "mla_v0.29_cross", "mla_v0.12"]
+    assert by_role("cpu") == ["CPU_LBHNC", "CPU_LHBNC", "CPU_BLHNC", "CPU_BHLNC"]
+    assert by_role("vllm") == ["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"]
+    assert {LAYOUTS[n].vllm_order for n in ("CPU_BLHNC", "nvfp4_BLHNC", "BLHNC")} == {"BLHNC"}
+    assert {n: LAYOUTS[n].lmcache_pages for n in LAYOUTS if LAYOUTS[n].lmcache_pages} == {
+        "flash_attn_v0.12": ("S", "BN", "HD"), "flashinfer_v0.12": ("B", "S", "N", "HD"), "mla_v0.12": ("BN", "HSD")}
+    register_layout(replace(LAYOUTS["CPU_LBHNC"], name="CPU_mine"))
+    try:
+        assert by_role("cpu")[-1] == "CPU_mine"
+    finally:
+        unregister_layout("CPU_mine")
+    with pytest.raises(ValueError, match="role is one of"):
+        replace(LAYOUTS["LBHNC"], role="gpu")

@@ -103,7 +103,7 @@ def registration_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 def test_cross_layer_views_are_recognised_as_block_major(tmp_path, caplog: pytest.LogCaptureFixture,
                                                          vllm_cpu_build) -> None:
-    _, worker = connectors(GQA, {"enable_cross_layers_blocks": True, "store": "disk", "disk_path": str(tmp_path)})
+    _, worker = connectors(GQA, {"enable_cross_layers_blocks": True, "store": "disk", "disk": {"path": str(tmp_path)}})
     with caplog.at_level(logging.INFO, logger="kvlab.connector"):
         register(worker, "vllm>=0.29 BLHNC", GQA, NUM_BLOCKS)
     # on vLLM's CPU build the same views are named for CPU_ATTN's packed pages (byte for byte the same runs)
@@ -160,7 +160,7 @@ def test_longer_prompt_reuses_the_shared_prefix() -> None:
 def test_model_or_layout_mismatch_is_a_miss(tmp_path) -> None:
     """Two engines on one disk folder, one per-layer, one cross-layer: neither is handed
     the other's chunks (they would not fit its cache)."""
-    extra = {"store": "disk", "disk_path": str(tmp_path)}
+    extra = {"store": "disk", "disk": {"path": str(tmp_path)}}
     scheduler, worker = connectors(GQA, extra)
     register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
     prompt = list(range(3 * BS + 1))
@@ -206,8 +206,8 @@ def test_full_store_evicts_and_never_fails() -> None:
 @pytest.mark.parametrize("extra, message", [
     ({"colour": "blue"}, "unknown kv_connector_extra_config key"),
     ({"store": "s3"}, "store must be 'cpu' or 'disk'"),
-    ({"store": "disk"}, "needs disk_path"),
-    ({"disk_path": "/tmp/x"}, "only used with the disk tier"),
+    ({"store": "disk"}, "the disk tier: path must be given"),
+    ({"disk": {"path": "/tmp/x"}}, r"disk is a setting of the disk tier, which tiers \(\['memory'\]\) does not name"),
     ({"layerwise": "yes"}, "layerwise must be true or false"),
     ({"store_bytes": 0}, "store_bytes must be a positive integer"),
     ({"chunk_size": -32}, "chunk_size must be a positive integer"),
@@ -217,22 +217,23 @@ def test_full_store_evicts_and_never_fails() -> None:
     ({"tiers": ["memory", "memory"]}, "at most once"),
     ({"tiers": "memory"}, "tiers must be a list of tier names"),
     ({"tiers": []}, "tiers must be a list of tier names"),
-    ({"tiers": ["redis"]}, "redis_url"),
+    ({"tiers": ["redis"]}, "the redis tier: url must be given"),
     ({"store": "disk", "tiers": ["memory"]}, "either store"),
-    ({"redis_url": "redis://127.0.0.1:1/0"}, "redis_url is only used with the redis tier"),
-    ({"shm_path": "/dev/shm/x"}, "shm_path is only used with the shm tier"),
+    ({"redis": {"url": "redis://127.0.0.1:1/0"}}, "redis is a setting of the redis tier, which tiers"),
+    ({"shm": {"path": "/dev/shm/x"}}, "shm is a setting of the shm tier, which tiers"),
+    ({"shm_path": "/dev/shm/x"}, "shm_path is a setting of the shm tier, which tiers"),
     ({"async_saves": 1}, "async_saves must be true or false"),
-    ({"shm_bytes": -1}, "shm_bytes must be a positive integer"),
-    ({"store": "disk", "disk_path": 123}, "disk_path must be a non-empty string"),
-    ({"tiers": ["shm"], "shm_path": 7}, "shm_path must be a non-empty string"),
-    ({"tiers": ["redis"], "redis_url": 6379}, "redis_url must be a non-empty string"),
+    ({"tiers": ["shm"], "shm": {"bytes": -1}}, "the shm tier: bytes must be a positive integer"),
+    ({"store": "disk", "disk": {"path": 123}}, "the disk tier: path must be a non-empty string"),
+    ({"tiers": ["shm"], "shm": {"path": 7}}, "the shm tier: path must be a non-empty string"),
+    ({"tiers": ["redis"], "redis": {"url": 6379}}, "the redis tier: url must be a non-empty string"),
     ({"store_name": 5}, "store_name must be a non-empty string"),
     ({"store_name": ""}, "store_name must be a non-empty string"),
     ({"store_name": "x/../../../tmp/y"}, "store_name names a folder"),
     ({"store_name": ".."}, "store_name names a folder"),
-    ({"store": "disk", "disk_path": "kv"}, "disk_path must be an absolute path"),
-    ({"tiers": ["shm"], "shm_path": "/dev/shm"}, "shm_path must be a folder of kvlab's own"),
-    ({"tiers": ["shm"], "shm_path": "/dev/shm/"}, "shm_path must be a folder of kvlab's own"),
+    ({"store": "disk", "disk": {"path": "kv"}}, "the disk tier: path must be an absolute path"),
+    ({"tiers": ["shm"], "shm": {"path": "/dev/shm"}}, "the shm tier: path must be a folder of kvlab's own"),
+    ({"tiers": ["shm"], "shm": {"path": "/dev/shm/"}}, "the shm tier: path must be a folder of kvlab's own"),
 ])
 def test_bad_extra_config_fails_at_start(extra: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -329,7 +330,7 @@ def test_new_weights_at_the_same_path_are_misses_not_stale_kv(tmp_path) -> None:
     folder.mkdir()
     (folder / "config.json").write_text("{}")
     (folder / "model.safetensors").write_bytes(bytes(4096))
-    extra = {"store": "disk", "disk_path": str(tmp_path / "kv")}
+    extra = {"store": "disk", "disk": {"path": str(tmp_path / "kv")}}
     scheduler, worker = fresh(extra, str(folder))
     prompt = list(range(4 * BS + 1))
     run_step(scheduler, worker, "a", prompt, [0, 1, 2, 3, 4], False)
@@ -339,7 +340,7 @@ def test_new_weights_at_the_same_path_are_misses_not_stale_kv(tmp_path) -> None:
 
 
 def test_every_damaged_chunk_of_a_prompt_is_saved_again(tmp_path) -> None:
-    extra = {"store": "disk", "disk_path": str(tmp_path / "kv"), "chunk_size": BS}
+    extra = {"store": "disk", "disk": {"path": str(tmp_path / "kv")}, "chunk_size": BS}
     scheduler, worker = fresh(extra)
     prompt = list(range(4 * BS + 1))
     run_step(scheduler, worker, "a", prompt, [0, 1, 2, 3, 4], False)
@@ -349,7 +350,7 @@ def test_every_damaged_chunk_of_a_prompt_is_saved_again(tmp_path) -> None:
         data = bytearray(path.read_bytes())
         data[-5] ^= 0x10
         path.write_bytes(bytes(data))
-    scheduler, worker = fresh({"tiers": ["disk"], "disk_path": extra["disk_path"], "chunk_size": BS})
+    scheduler, worker = fresh({"tiers": ["disk"], "disk": extra["disk"], "chunk_size": BS})
     result = prefill(scheduler, worker, "b", prompt, [5, 6, 7, 8, 9])
     assert result["hit_tokens"] == 4 * BS, "promised from their headers, which are intact"
     assert result["report"].invalid_block_ids == {5, 6, 7, 8}, "every payload failed its check at the load"
@@ -368,7 +369,9 @@ def test_an_unavailable_method_fails_at_start_up(monkeypatch) -> None:
 
 @pytest.mark.parametrize("layerwise", [False, True], ids=["whole-step", "layerwise"])
 def test_a_failing_save_or_load_never_reaches_the_request(monkeypatch, caplog, layerwise) -> None:
-    scheduler, worker = connectors(GQA, {"layerwise": layerwise})
+    """Not strict: every error is recomputed or stores nothing, and is logged each time, the
+    first of its kind with its traceback."""
+    scheduler, worker = connectors(GQA, {"layerwise": layerwise, "strict": False})
     register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
     prompt = list(range(4 * BS + 1))
 
@@ -379,7 +382,8 @@ def test_a_failing_save_or_load_never_reaches_the_request(monkeypatch, caplog, l
     with caplog.at_level(logging.WARNING, logger="kvlab.connector"):
         run_step(scheduler, worker, "a", prompt, [0, 1, 2, 3, 4], layerwise)
         run_step(scheduler, worker, "b", prompt, [5, 6, 7, 8, 9], layerwise)
-    assert worker.stats.save_errors == 2 and caplog.text.count("a save failed") == 1
+    assert worker.stats.save_errors == 2 and caplog.text.count("a save failed") == 2
+    assert caplog.text.count("Traceback (most recent call last)") == 1 and "in broken" in caplog.text
     monkeypatch.undo()
     run_step(scheduler, worker, "c", prompt, [0, 1, 2, 3, 4], layerwise)  # saved now
 
@@ -394,15 +398,82 @@ def test_a_failing_save_or_load_never_reaches_the_request(monkeypatch, caplog, l
     assert worker.stats.load_errors == 1
 
 
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole-step", "layerwise"])
+def test_strict_raises_what_is_not_the_stores_fault(monkeypatch, layerwise) -> None:
+    """The tests' connectors are strict (kvlab.testing.driver): a bug in a load or a save raises
+    instead of looking like a recompute, while a fault of the store (an OSError, a failed
+    check) is still recomputed or stores nothing."""
+    scheduler, worker = connectors(GQA, {"layerwise": layerwise})
+    register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
+    prompt = list(range(4 * BS + 1))
+
+    def no_room(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("kvlab.connector.worker.host_buffer", no_room)
+    run_step(scheduler, worker, "a", prompt, [0, 1, 2, 3, 4], layerwise)  # the store's fault: stores nothing
+    assert worker.stats.save_errors == 1
+    monkeypatch.undo()
+    run_step(scheduler, worker, "b", prompt, [5, 6, 7, 8, 9], layerwise)  # saved now
+
+    def bug(*args, **kwargs):
+        raise TypeError("a bug in a copy")
+
+    with monkeypatch.context() as patch:
+        patch.setattr("kvlab.connector.worker.run_all", bug)
+        patch.setattr("kvlab.transfer.Transfer.run", bug)
+        with pytest.raises((TypeError, RuntimeError), match="a bug in a copy|layerwise load failed") as raised:
+            prefill(scheduler, worker, "c", prompt, [10, 11, 12, 13, 14], layerwise)
+    assert "a bug in a copy" in repr(raised.value) + repr(raised.value.__cause__)
+    reset_stores()  # an engine whose connector raised is gone: a new one
+    scheduler, worker = connectors(GQA, {"layerwise": layerwise})
+    register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
+    with monkeypatch.context() as patch:  # a save's bug raises on the model runner's thread, not on the save thread
+        patch.setattr("kvlab.connector.worker.Chunk", bug)
+        with pytest.raises(TypeError, match="a bug in a copy"):
+            run_step(scheduler, worker, "d", prompt, [15, 16, 17, 18, 19], layerwise)
+    assert worker.worker.config.strict
+
+
 def test_another_engine_finds_a_prompts_last_chunk_in_a_shared_folder_and_saves_nothing_again(tmp_path) -> None:
     """A block-aligned prompt's last chunk ends with the block holding its last token, which
     no lookup loads (vLLM computes that token): the chunk is still found by a new engine's
     disk tier, which finds files by the chunk names a prompt's keys give, and every chunk is
     held already, so the hit writes nothing again."""
-    extra = {"tiers": ["disk"], "disk_path": str(tmp_path / "kv"), "chunk_size": 2 * BS}
+    extra = {"tiers": ["disk"], "disk": {"path": str(tmp_path / "kv")}, "chunk_size": 2 * BS}
     scheduler, worker = fresh(extra)
     prompt = list(range(4 * BS))  # blocks k0..k3 in chunks (k0, k1) and (k2, k3)
     run_step(scheduler, worker, "a", prompt, [0, 1, 2, 3], False)
     scheduler, worker = fresh(extra)  # another process: nothing indexed
     assert run_step(scheduler, worker, "b", prompt, [4, 5, 6, 7], False) == 3 * BS
     assert worker.stats.saved_blocks == 0
+
+
+def test_only_the_tiers_named_open(tmp_path) -> None:
+    """A tier registered in the process (notebook 05's, a test's) is opened by a connector
+    only where its ``tiers`` name it: nothing is written to it otherwise."""
+    from kvlab.store.tiers import MemoryTier, register_tier, unregister_tier
+
+    class Listed(MemoryTier):
+        name, shared = "listed", True
+
+    opened: list[Listed] = []
+
+    def factory(*args) -> Listed:  # (settings, store)
+        opened.append(Listed(1 << 30, args[-1].stats))
+        return opened[-1]
+
+    register_tier("listed", factory)
+    try:
+        scheduler, worker = connectors(GQA, {"tiers": ["memory"], "chunk_size": BS})
+        register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
+        run_step(scheduler, worker, "a", list(range(4 * BS + 1)), list(range(5)), False)
+        assert worker.store.shared_names == () and worker.stats.saved_blocks == 4
+        assert sum(len(tier) for tier in opened) == 0, "a tier tiers does not name was written to"
+        reset_stores()
+        scheduler, worker = connectors(GQA, {"tiers": ["memory", "listed"], "chunk_size": BS})
+        register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
+        run_step(scheduler, worker, "a", list(range(4 * BS + 1)), list(range(5)), False)
+        assert worker.store.shared_names == ("listed",) and len(worker.store.tier("listed")) == 4
+    finally:
+        unregister_tier("listed")

@@ -64,7 +64,7 @@ def test_metadata_and_reports_are_small_and_hold_no_tensor():
 def test_tensor_parallel_ranks_keep_their_own_shards(tmp_path):
     """Two ranks, each its own bytes: each gets its own back, from memory and, in a new
     engine, from shared memory; a rank missing its shard makes the block a miss."""
-    extra = {"tiers": ["memory", "shm"], "shm_path": str(tmp_path / "shm")}
+    extra = {"tiers": ["memory", "shm"], "shm": {"path": str(tmp_path / "shm")}}
     scheduler, group = engine(extra, workers=2)
     prefill(scheduler, group, "a", PROMPT, [0, 1, 2, 3, 4])
     expected = [blocks_of(w, [0, 1, 2, 3]) for w in group]
@@ -186,7 +186,7 @@ def test_redis_down_at_start_up_is_a_clear_error():
 
     url = f"redis://127.0.0.1:{free_port()}/0"
     with pytest.raises(ValueError, match=f"cannot reach {url}"):
-        connector_group(RANK, NUM_BLOCKS, {"tiers": ["memory", "redis"], "redis_url": url})
+        connector_group(RANK, NUM_BLOCKS, {"tiers": ["memory", "redis"], "redis": {"url": url}})
 
 
 def test_no_redis_server_command_is_a_clear_error(monkeypatch, tmp_path):
@@ -221,5 +221,5 @@ def test_a_remote_tier_without_auth_key_is_warned_about(redis_server, tmp_path, 
     monkeypatch.setenv("KVLAB_TEST_KEY", "k" * 32)
     with caplog.at_level(logging.WARNING, logger="kvlab.connector"):
         connector_group(RANK, NUM_BLOCKS, {**redis_server.extra(), "auth_key": "env:KVLAB_TEST_KEY"})
-        connector_group(RANK, NUM_BLOCKS, {"tiers": ["memory", "shm"], "shm_path": str(tmp_path / "shm")})
+        connector_group(RANK, NUM_BLOCKS, {"tiers": ["memory", "shm"], "shm": {"path": str(tmp_path / "shm")}})
     assert "auth_key" not in caplog.text

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.usefixtures("fresh_stores")
 
 
 def test_another_engine_loads_what_one_stored_and_a_damaged_chunk_is_recomputed(mooncake_store, request):
-    extra = mooncake_store.extra(mooncake_url=f"{mooncake_store.url}&namespace={request.node.name}")
+    extra = mooncake_store.extra(mooncake={"url": f"{mooncake_store.url}&namespace={request.node.name}"})
     scheduler, (worker,) = engine(extra)
     prefill(scheduler, worker, "a", PROMPT, [0, 1, 2, 3, 4])
     expected = blocks_of(worker, [0, 1, 2, 3])
@@ -70,4 +70,4 @@ def test_the_master_down_at_start_up_is_a_clear_error():
 
     url = f"mooncake://127.0.0.1:{free_port()}?metadata_port={free_port()}"
     with pytest.raises(ValueError, match="cannot reach the Mooncake master"):
-        connector_group(RANK, NUM_BLOCKS, {"tiers": ["memory", "mooncake"], "mooncake_url": url})
+        connector_group(RANK, NUM_BLOCKS, {"tiers": ["memory", "mooncake"], "mooncake": {"url": url}})

@@ -36,7 +36,7 @@ PROMPT = list(range(4 * BS + 1))  # four full blocks, the last token computed
 @pytest.fixture
 def tiers(tmp_path):
     """Shared memory and disk, no memory tier: every hit is read from a file."""
-    extra = {"tiers": ["shm", "disk"], "shm_path": str(tmp_path / "shm"), "disk_path": str(tmp_path / "disk"),
+    extra = {"tiers": ["shm", "disk"], "shm": {"path": str(tmp_path / "shm")}, "disk": {"path": str(tmp_path / "disk")},
              "chunk_size": 4 * BS}
     scheduler, worker = connector_pair(GQA, NUM_BLOCKS, extra)
     register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
@@ -104,10 +104,10 @@ def test_a_failed_request_is_planned_again_and_its_saves_resume(tiers) -> None:
     for path in chunk_files(root):
         path.unlink()
     step(scheduler, worker, schedule("b", PROMPT, [5, 6, 7, 8, 9], hit))
-    assert worker.worker._tainted == {"b"}
+    assert worker.worker.failures.saves_cancelled("b")
     assert scheduler.scheduler._requests["b"].next_chunk == 0, "every chunk planned again"
     settle(scheduler, worker)
-    assert worker.worker._tainted == set(), "the scheduler's replan reached the worker"
+    assert not worker.worker.failures.saves_cancelled("b"), "the scheduler's replan reached the worker"
 
 
 def test_a_vanished_shared_file_falls_back_to_the_next_tier(tiers) -> None:
@@ -176,7 +176,7 @@ def test_an_auth_key_signs_every_shared_chunk_and_a_writer_without_it_cannot_be_
     monkeypatch.setenv("KVLAB_TEST_KEY", "k" * 32)
     key_file = tmp_path / "other.key"
     key_file.write_bytes(b"o" * 32)
-    extra = {"tiers": ["disk"], "disk_path": str(tmp_path / "disk"), "auth_key": "env:KVLAB_TEST_KEY"}
+    extra = {"tiers": ["disk"], "disk": {"path": str(tmp_path / "disk")}, "auth_key": "env:KVLAB_TEST_KEY"}
     scheduler, worker = connector_pair(GQA, NUM_BLOCKS, extra)
     register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
     prefill(scheduler, worker, "a", PROMPT, [0, 1, 2, 3, 4])
@@ -196,7 +196,7 @@ def test_a_bad_auth_key_is_a_clear_start_up_error(tmp_path, auth_key: str, why: 
     from kvlab.connector import ConnectorConfig
 
     with pytest.raises(ValueError, match=why):
-        ConnectorConfig.parse({"tiers": ["disk"], "disk_path": str(tmp_path), "auth_key": auth_key})
+        ConnectorConfig.parse({"tiers": ["disk"], "disk": {"path": str(tmp_path)}, "auth_key": auth_key})
     with pytest.raises(ValueError, match="none of them shared"):
         ConnectorConfig.parse({"auth_key": "env:X"})
 
@@ -213,10 +213,10 @@ def test_after_any_failed_load_what_is_stored_is_right(tmp_path, monkeypatch, fa
     request computed (or misses)."""
     if fault == "dead-redis":
         server = request.getfixturevalue("redis_server")
-        extra = {"tiers": ["memory", "redis"], "redis_url": server.url}
+        extra = {"tiers": ["memory", "redis"], "redis": {"url": server.url}}
     else:
-        extra = {"tiers": ["memory", "shm", "disk"], "shm_path": str(tmp_path / "shm"),
-                 "disk_path": str(tmp_path / "disk")}
+        extra = {"tiers": ["memory", "shm", "disk"], "shm": {"path": str(tmp_path / "shm")},
+                 "disk": {"path": str(tmp_path / "disk")}}
     scheduler, worker = connector_pair(GQA, NUM_BLOCKS, {**extra, "chunk_size": 4 * BS})
     register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
     fill(worker, [0, 1, 2, 3], seed=1)
@@ -265,9 +265,9 @@ def test_engines_with_other_chunk_sizes_sharing_a_folder_never_load_a_block_from
     a load from there would put block 0's KV in block 2. The scheduler and the worker check the
     block's own key at its position: A loads only what is really there."""
     folder = str(tmp_path / "disk")
-    a, a_worker = connector_pair(GQA, NUM_BLOCKS, {"tiers": ["disk"], "disk_path": folder, "chunk_size": 2 * BS,
+    a, a_worker = connector_pair(GQA, NUM_BLOCKS, {"tiers": ["disk"], "disk": {"path": folder}, "chunk_size": 2 * BS,
                                                    "store_name": "a"})
-    b, b_worker = connector_pair(GQA, NUM_BLOCKS, {"tiers": ["disk"], "disk_path": folder, "chunk_size": 4 * BS,
+    b, b_worker = connector_pair(GQA, NUM_BLOCKS, {"tiers": ["disk"], "disk": {"path": folder}, "chunk_size": 4 * BS,
                                                    "store_name": "b"})
     register(a_worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
     register(b_worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
@@ -296,7 +296,7 @@ def test_engines_with_other_chunk_sizes_sharing_a_folder_never_load_a_block_from
 def test_a_load_reads_its_chunks_tail_first(tmp_path, monkeypatch) -> None:
     """Each read marks a chunk used (a file's mtime), so reading a prompt's chunks from the
     last to the first leaves its head the last to be evicted, as vLLM frees its own blocks."""
-    extra = {"tiers": ["disk"], "disk_path": str(tmp_path), "chunk_size": 2 * BS}
+    extra = {"tiers": ["disk"], "disk": {"path": str(tmp_path)}, "chunk_size": 2 * BS}
     scheduler, worker = connector_pair(GQA, NUM_BLOCKS, extra)
     register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
     fill(worker, [0, 1, 2, 3], seed=5)

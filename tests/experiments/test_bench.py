@@ -16,7 +16,7 @@ SMALL = preset("smollm2-135m").with_(num_layers=4)
 def test_measure_row_has_every_field():
     """A row carries what a reader needs to judge it: bytes, segments, spread, ceiling, ratio."""
     config = bench.Config(SMALL, "LBHNC", "gather", "offload", 64)
-    row = bench.measure(config, bench.resolve_device("cpu"), 3, bench._Setup(config, bench.resolve_device("cpu"), 0))
+    row = bench.measure(config, bench.resolve_device("cpu"), 3, bench.Setup(config, bench.resolve_device("cpu"), 0))
     assert row["status"] == "ok"
     assert row["bytes"] == 64 * SMALL.token_bytes
     assert 4 <= row["segments"] <= 4 * 4  # 4 scattered blocks x 4 layers, a few merged across layer ends
@@ -26,7 +26,7 @@ def test_measure_row_has_every_field():
 
 def test_unavailable_method_is_a_row_that_says_why():
     config = bench.Config(SMALL, "LBHNC", "vllm", "load", 64)
-    row = bench.measure(config, bench.resolve_device("cpu"), 2, bench._Setup(config, bench.resolve_device("cpu"), 0))
+    row = bench.measure(config, bench.resolve_device("cpu"), 2, bench.Setup(config, bench.resolve_device("cpu"), 0))
     assert row["status"].startswith("unavailable: ")
 
 

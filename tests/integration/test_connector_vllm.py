@@ -46,8 +46,8 @@ def test_vllms_default_processes_serve_repeats_and_other_engines_hit(smollm2, pr
     shm = str(tmp_path / "shm")
     common = {"dtype": "float32", "max_tokens": 8, "multiprocessing": True}
     with MooncakeStore(segment_mb=256, log_dir=tmp_path) as mooncake:  # its own: C kills its master
-        writer = {"tiers": ["memory", "shm", "redis", "mooncake"], "shm_path": shm, "redis_url": redis_cluster.url,
-                  "mooncake_url": mooncake.url, "chunk_size": 64}
+        writer = {"tiers": ["memory", "shm", "redis", "mooncake"], "shm": {"path": shm},
+                  "redis": {"url": redis_cluster.url}, "mooncake": {"url": mooncake.url}, "chunk_size": 64}
         first = run_engine(EngineSpec(smollm2, "kvlab", writer, prefix_caching=True, phases=CONTROLLED, **common),
                            prompts)
         assert hits(first, "cold") == [0, 0] and hits(first, "warm") == hits(first, "control") == loadable(prompts)
@@ -56,9 +56,10 @@ def test_vllms_default_processes_serve_repeats_and_other_engines_hit(smollm2, pr
         assert stats["loaded_blocks"] == sum(hit // 32 for hit in loadable(prompts))
         assert stats["save_errors"] == 0 and any(Path(shm).iterdir()) and mooncake.keys() > 0
         assert all(count > 0 for count in redis_cluster.keys_per_node()), "the chunks spread over every node"
-        shared = run_engine(EngineSpec(smollm2, "kvlab", {"tiers": ["shm"], "shm_path": shm}, phases=("warm",),
+        shared = run_engine(EngineSpec(smollm2, "kvlab", {"tiers": ["shm"], "shm": {"path": shm}}, phases=("warm",),
                                        **common), prompts)
-        remote = {"tiers": ["redis", "mooncake"], "redis_url": redis_cluster.url, "mooncake_url": mooncake.url}
+        remote = {"tiers": ["redis", "mooncake"], "redis": {"url": redis_cluster.url},
+                  "mooncake": {"url": mooncake.url}}
         other = run_engine(EngineSpec(smollm2, "kvlab", remote, phases=("warm", "warm-redis-down", "warm-mooncake-down"),
                                       **common), prompts)
     for engine, tier in ((shared, "shm"), (other, "redis")):
@@ -129,7 +130,7 @@ def test_every_seed_architecture_through_the_connector(name, layerwise, tmp_path
     mla = name == "mini-deepseek-v2"
     block_size = 16 if mla else 32
     extra = {"layerwise": layerwise, "hooks": layerwise and not mla, "enable_cross_layers_blocks": True,
-             "chunk_size": 64, "store": "disk", "disk_path": str(tmp_path / "kv")}
+             "chunk_size": 64, "store": "disk", "disk": {"path": str(tmp_path / "kv")}}
     spec = EngineSpec(str(model_path(prepared(name))), "kvlab", extra, dtype="float32", block_size=block_size,
                       max_tokens=8, phases=("cold", "warm", "warm-disk") if mla else CONTROLLED,
                       prefix_caching=not mla, attention_backend="CPU_MLA" if mla else None)

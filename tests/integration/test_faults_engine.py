@@ -44,7 +44,7 @@ def test_a_full_then_read_only_disk_never_fails_a_request(smollm2, prompts, smal
     checksum and is recomputed, the files cannot be removed, no save can be written, and a
     new engine still serves every request, the same tokens as before, from its memory tier
     on the repeat."""
-    extra = {"store": "disk", "disk_path": str(small_disk), "chunk_size": 2 * BLOCK}
+    extra = {"store": "disk", "disk": {"path": str(small_disk)}, "chunk_size": 2 * BLOCK}
     spec = EngineSpec(smollm2, "kvlab", extra, dtype="float32", max_tokens=8, prefix_caching=True, phases=CONTROLLED)
     full = run_engine(spec, prompts)
     store = full["connector"]["default"]["store"]
@@ -101,7 +101,7 @@ def test_two_engines_share_a_folder_and_new_weights_are_misses(tiny_llama: Path,
     model = tmp_path / "model"
     shutil.copytree(tiny_llama, model)
     prompts = [list(range(1000 + 7 * i, 1300 + 7 * i)) for i in range(3)]
-    extra = {"store": "disk", "disk_path": str(tmp_path / "kv"), "chunk_size": 2 * BLOCK}
+    extra = {"store": "disk", "disk": {"path": str(tmp_path / "kv")}, "chunk_size": 2 * BLOCK}
     spec = EngineSpec(str(model), "kvlab", extra, dtype="float32", max_tokens=8, prefix_caching=True, phases=CONTROLLED)
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(lambda order: run_engine(spec, order), [prompts, prompts[::-1]]))

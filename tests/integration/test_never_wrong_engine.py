@@ -62,8 +62,8 @@ def test_a_failed_load_never_poisons_the_store(smollm2, book_ids, shm_folder, tm
     the unfilled blocks: the later l0 requests were wrong.)"""
     sequence = poisoning_sequence(book_ids)
     common = {"model": smollm2, "dtype": "float32", "max_tokens": 4, "phases": ("cold",)}
-    extra = {"tiers": ["memory", "shm", "disk"], "shm_path": shm_folder, "disk_path": str(tmp_path / "disk"),
-             "store_bytes": 32 * MIB, "shm_bytes": 32 * MIB}
+    extra = {"tiers": ["memory", "shm", "disk"], "shm": {"path": shm_folder, "bytes": 32 * MIB},
+             "disk": {"path": str(tmp_path / "disk")}, "store_bytes": 32 * MIB}
     control = run_engine(EngineSpec(**common, prefix_caching=True), sequence)
     kvlab = run_engine(EngineSpec(**common, connector="kvlab", extra=extra), sequence)
     assert hits(kvlab, "cold") == hits(control, "cold")
@@ -86,7 +86,7 @@ def test_preempted_requests_under_a_small_kv_cache_keep_their_kv_right(tiny_llam
                for i in range(4) for j in range(4)]
     common = {"model": str(tiny_llama), "dtype": "float32", "max_tokens": 64, "batch": True,
               "phases": ("cold", "warm"), "num_gpu_blocks": 28, "max_num_seqs": 16, "max_model_len": 800}
-    extra = {"tiers": ["memory", "shm", "disk"], "shm_path": shm_folder, "disk_path": str(tmp_path / "disk")}
+    extra = {"tiers": ["memory", "shm", "disk"], "shm": {"path": shm_folder}, "disk": {"path": str(tmp_path / "disk")}}
     none = run_engine(EngineSpec(**common), prompts)
     kvlab = run_engine(EngineSpec(**common, connector="kvlab", extra=extra), prompts)
     stats = kvlab["connector"]["default"]

@@ -51,8 +51,8 @@ def test_another_client_reads_what_one_wrote_bitwise(mooncake_store, request) ->
 
 def test_a_store_reads_it_through_its_lookup_order(mooncake_store, request) -> None:
     url = f"{mooncake_store.url}&namespace={request.node.name}"
-    KVStore(mooncake_url=url).put(chunk(7))
-    other = KVStore(mooncake_url=url)
+    KVStore(tiers={"mooncake": {"url": url}}).put(chunk(7))
+    other = KVStore(tiers={"mooncake": {"url": url}})
     fetched = other.fetch(chunk(7).key, tier="mooncake")
     assert fetched.chunk is not None and same_chunk(fetched.chunk, chunk(7))
 
@@ -94,7 +94,7 @@ def test_the_master_down_at_start_up_is_a_clear_error_at_once() -> None:
     url = f"mooncake://127.0.0.1:{free_port()}?metadata_port={free_port()}"
     began = time.monotonic()
     with pytest.raises(ValueError, match="cannot reach the Mooncake master"):
-        KVStore(mooncake_url=url).check_shared()
+        KVStore(tiers={"mooncake": {"url": url}}).check_shared()
     assert time.monotonic() - began < 10
 
 

@@ -79,7 +79,7 @@ def test_a_link_another_user_planted_at_the_shm_path_is_refused(place: Path) -> 
     as_nobody("ln", "-s", str(target), str(link))
     try:
         with pytest.raises(ValueError, match=rf"{link} is a symbolic link of uid {NOBODY}, another user's"):
-            KVStore(shm_path=link)
+            KVStore(tiers={"shm": {"path": link}})
         assert not list(target.iterdir()), "nothing written through the link"
     finally:
         link.unlink()
@@ -95,7 +95,7 @@ def test_a_store_keeps_the_folder_it_checked(place: Path, tier: str) -> None:
     other.mkdir(mode=0o700)
     link = place / "store"
     link.symlink_to(own)
-    store = KVStore(capacity_bytes=1, **{f"{tier}_path": link})
+    store = KVStore(capacity_bytes=1, tiers={tier: {"path": link}})
     genuine = chunk(1)
     assert store.put(genuine) and (own / f"{genuine.key}.kvchunk").exists()
     forged_file(other, 1)
@@ -125,13 +125,13 @@ def test_a_folder_on_the_way_another_user_controls_is_refused(place: Path, owner
     theirs.chmod(mode) if owner == "root" else as_nobody("chmod", f"{mode:o}", str(theirs))
     uid = NOBODY if owner == "nobody" else 0
     with pytest.raises(ValueError, match=rf"{theirs} on its way is owned by uid {uid} with mode {mode:04o}"):
-        KVStore(disk_path=theirs / "kv")
+        KVStore(tiers={"disk": {"path": theirs / "kv"}})
     assert not (theirs / "kv").exists()
 
 
 def test_a_sticky_folder_on_the_way_is_fine(place: Path) -> None:
     """As /tmp and /dev/shm: others may write it, but not rename what is not theirs."""
-    store = KVStore(capacity_bytes=1, disk_path=place / "shared" / "mine" / "kv")
+    store = KVStore(capacity_bytes=1, tiers={"disk": {"path": place / "shared" / "mine" / "kv"}})
     assert store.put(chunk(2))
     assert (place / "shared" / "mine").stat().st_mode & 0o7777 == 0o700
 
@@ -139,10 +139,10 @@ def test_a_sticky_folder_on_the_way_is_fine(place: Path) -> None:
 # ---- 3: a system folder as disk_path -----------------------------------------------------------
 @pytest.mark.parametrize("folder", ["/", "/etc", "/usr/lib", "/var/tmp", "/dev/shm", "//etc/../etc/"])
 def test_a_system_folder_is_refused_as_disk_path(folder: str) -> None:
-    with pytest.raises(ValueError, match="disk_path must be a folder of kvlab's own"):
-        ConnectorConfig.parse({"tiers": ["memory", "disk"], "disk_path": folder})
-    with pytest.raises(ValueError, match="a folder of the system's"):
-        KVStore(disk_path=folder)
+    with pytest.raises(ValueError, match="KVLabConnector: the disk tier: path must be a folder of kvlab's own"):
+        ConnectorConfig.parse({"tiers": ["memory", "disk"], "disk": {"path": folder}})
+    with pytest.raises(ValueError, match="^the disk tier: path must be a folder of kvlab's own"):
+        KVStore(tiers={"disk": {"path": folder}})
 
 
 # ---- 4: the weights epochs folder ------------------------------------------------------------------
@@ -202,7 +202,7 @@ def test_a_secret_another_user_could_swap_is_refused(place: Path, how: str) -> N
     with pytest.raises(ValueError, match=why):
         resolve_redis_url(f"redis://127.0.0.1:6379/0?password_file={secret}")
     with pytest.raises(ValueError, match=why):
-        ConnectorConfig.parse({"tiers": ["memory", "disk"], "disk_path": str(place / "kv"),
+        ConnectorConfig.parse({"tiers": ["memory", "disk"], "disk": {"path": str(place / "kv")},
                                "auth_key": f"file:{secret}"})
 
 

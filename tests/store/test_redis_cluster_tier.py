@@ -41,12 +41,12 @@ def test_chunks_spread_over_the_nodes_and_another_client_reads_them_bitwise(redi
 
 
 def test_a_store_and_the_connector_config_take_the_cluster_url(redis_cluster) -> None:
-    KVStore(redis_url=redis_cluster.url).put(chunk(3))
-    fetched = KVStore(redis_url=redis_cluster.url).fetch(chunk(3).key, tier="redis")
+    KVStore(tiers={"redis": {"url": redis_cluster.url}}).put(chunk(3))
+    fetched = KVStore(tiers={"redis": {"url": redis_cluster.url}}).fetch(chunk(3).key, tier="redis")
     assert fetched.chunk is not None and same_chunk(fetched.chunk, chunk(3))
-    assert ConnectorConfig.parse(redis_cluster.extra()).redis_url == redis_cluster.url
+    assert ConnectorConfig.parse(redis_cluster.extra()).tier_settings["redis"].url == redis_cluster.url
     with pytest.raises(ValueError, match="no database"):
-        ConnectorConfig.parse(redis_cluster.extra(redis_url=redis_cluster.url.replace("?", "/2?")))
+        ConnectorConfig.parse(redis_cluster.extra(redis={"url": redis_cluster.url.replace("?", "/2?")}))
 
 
 def test_a_damaged_chunk_is_dropped(redis_cluster) -> None:

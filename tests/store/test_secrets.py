@@ -41,8 +41,8 @@ def test_a_password_that_is_not_there_is_a_clear_error_naming_the_key(tmp_path, 
     url = "redis://127.0.0.1:6379/0?" + query.format(missing=tmp_path / "missing", empty=tmp_path / "empty")
     with pytest.raises(ValueError, match=f"^redis_url: .*{message}"):
         resolve_redis_url(url)
-    with pytest.raises(ValueError, match=f"KVLabConnector: redis_url: .*{message}"):  # at start-up
-        ConnectorConfig.parse({"tiers": ["memory", "redis"], "redis_url": url})
+    with pytest.raises(ValueError, match=f"KVLabConnector: the redis tier: redis_url: .*{message}"):  # at start-up
+        ConnectorConfig.parse({"tiers": ["memory", "redis"], "redis": {"url": url}})
 
 
 @pytest.mark.parametrize("text, redacted", [
@@ -72,10 +72,10 @@ def test_the_redis_tier_never_shows_the_password(caplog):
 
 def test_configuration_errors_never_show_the_password():
     with pytest.raises(ValueError, match="redis_url must start with") as error:
-        ConnectorConfig.parse({"tiers": ["redis"], "redis_url": f"http://:{SECRET}@127.0.0.1:6379/0"})
+        ConnectorConfig.parse({"tiers": ["redis"], "redis": {"url": f"http://:{SECRET}@127.0.0.1:6379/0"}})
     assert SECRET not in str(error.value)
     with pytest.raises(ValueError, match="redis_url's port must be a number") as error:
-        ConnectorConfig.parse({"tiers": ["redis"], "redis_url": f"redis://:{SECRET}@127.0.0.1:port/0"})
+        ConnectorConfig.parse({"tiers": ["redis"], "redis": {"url": f"redis://:{SECRET}@127.0.0.1:port/0"}})
     assert SECRET not in str(error.value)
 
 
@@ -101,7 +101,7 @@ def test_no_password_shows_whatever_it_holds(password: str, caplog) -> None:
     for url in inline:
         assert shows_none(redact(url)) and shows_none(redact(f"cannot reach {url!r} (refused)")), url
         try:
-            ConnectorConfig.parse({"tiers": ["redis"], "redis_url": url})
+            ConnectorConfig.parse({"tiers": ["redis"], "redis": {"url": url}})
         except ValueError as error:
             assert shows_none(str(error)), error
     for url in (inline[0], inline[2]):
@@ -129,4 +129,4 @@ def test_a_named_password_holds_any_character(password: str, tmp_path, monkeypat
         import redis
 
         assert redis.Redis.from_url(resolve_redis_url(url)).connection_pool.connection_kwargs["password"] == password
-        ConnectorConfig.parse({"tiers": ["redis"], "redis_url": url})
+        ConnectorConfig.parse({"tiers": ["redis"], "redis": {"url": url}})

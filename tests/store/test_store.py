@@ -42,7 +42,7 @@ def test_a_fetch_checks_the_blocks_it_was_asked_for() -> None:
 
 
 def test_a_fetch_tries_the_named_tier_then_the_shared_ones(tmp_path: Path) -> None:
-    store = KVStore(disk_path=tmp_path / "disk", shm_path=tmp_path / "shm")
+    store = KVStore(tiers={"shm": {"path": tmp_path / "shm"}, "disk": {"path": tmp_path / "disk"}})
     c = chunk(1)
     assert store.save(c) == Stored(True, ("shm", "disk"))
     found = store.fetch(c.key, c.signature, tier="disk")
@@ -61,7 +61,7 @@ def test_a_worker_writes_and_reads_its_shard(tmp_path: Path) -> None:
     """Under tensor parallelism rank r writes its shard of each block under the shard's key;
     its memory tier holds the blocks' own keys."""
     c = chunk(1)
-    store = KVStore(disk_path=tmp_path, promote=False)
+    store = KVStore(tiers={"disk": {"path": tmp_path}}, promote=False)
     assert store.save(c, shard=(1, 2)) == Stored(True, ("disk",)) and c.key in store
     shards = [shard_key(key, 1, 2) for key in c.block_keys]
     assert (tmp_path / f"{shards[-1]}.kvchunk").exists() and not (tmp_path / f"{c.key}.kvchunk").exists()
@@ -75,7 +75,7 @@ def test_a_worker_writes_and_reads_its_shard(tmp_path: Path) -> None:
 
 
 def test_evict_and_clear_leave_the_shared_tiers(tmp_path: Path) -> None:
-    store = KVStore(disk_path=tmp_path)
+    store = KVStore(tiers={"disk": {"path": tmp_path}})
     a, b = chunk(1), chunk(2)
     store.put(a), store.put(b)
     assert store.evict([a.key, "0" * 32]) == 1 and store.stats.evicted == 1 and a.key not in store
@@ -124,8 +124,8 @@ def test_signature_mismatch_is_a_miss() -> None:
 
 def test_disk_tier_survives_a_new_store(tmp_path: Path) -> None:
     c = chunk(1, layout="BLHNC")
-    KVStore(disk_path=tmp_path).put(c)
-    fresh = KVStore(disk_path=tmp_path)  # another process would see the same
+    KVStore(tiers={"disk": {"path": tmp_path}}).put(c)
+    fresh = KVStore(tiers={"disk": {"path": tmp_path}})  # another process would see the same
     assert len(fresh) == 0
     got = fresh.get(c.key)
     assert got is not None and same_bytes(got, c) and got.buffer.layout.name == "BLHNC"
@@ -136,7 +136,7 @@ def test_disk_tier_survives_a_new_store(tmp_path: Path) -> None:
 @pytest.mark.parametrize("damage", ["flip", "truncate", "header", "empty"])
 def test_damaged_file_is_a_miss_and_removed(tmp_path: Path, damage: str) -> None:
     c = chunk(1)
-    KVStore(disk_path=tmp_path).put(c)
+    KVStore(tiers={"disk": {"path": tmp_path}}).put(c)
     path = next(tmp_path.glob("*.kvchunk"))
     data = bytearray(path.read_bytes())
     if damage == "flip":
@@ -148,7 +148,7 @@ def test_damaged_file_is_a_miss_and_removed(tmp_path: Path, damage: str) -> None
     else:
         data = bytearray()
     path.write_bytes(bytes(data))
-    fresh = KVStore(disk_path=tmp_path)
+    fresh = KVStore(tiers={"disk": {"path": tmp_path}})
     assert fresh.get(c.key) is None
     assert fresh.stats.corrupt == 1 and not path.exists()
     assert fresh.get(c.key, blocks=dict(enumerate(c.block_keys))) is None
@@ -160,8 +160,8 @@ def test_stray_files_are_ignored(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("hello")
     (tmp_path / "junk.kvchunk").write_bytes(b"not a chunk")
     c = chunk(1)
-    KVStore(disk_path=tmp_path).put(c)
-    reader = KVStore(disk_path=tmp_path)
+    KVStore(tiers={"disk": {"path": tmp_path}}).put(c)
+    reader = KVStore(tiers={"disk": {"path": tmp_path}})
     assert reader.get(c.key, tier="disk") is not None and same_bytes(reader.get(c.key, tier="disk"), c)
     assert reader.get("junk", tier="disk") is None
     assert (tmp_path / "notes.txt").read_text() == "hello"
@@ -170,17 +170,20 @@ def test_stray_files_are_ignored(tmp_path: Path) -> None:
 def test_disk_budget_removes_oldest_files(tmp_path: Path) -> None:
     """Over its budget the disk tier removes the oldest chunks, and only those."""
     size = chunk(0).nbytes
-    store = KVStore(disk_path=tmp_path, disk_capacity_bytes=2 * size + 4096)
+    store = KVStore(tiers={"disk": {"path": tmp_path, "bytes": 2 * size + 4096}})
     for tag in range(4):
         store.put(chunk(tag))
-    reader = KVStore(disk_path=tmp_path)  # nothing in memory: the disk answers
+    reader = KVStore(tiers={"disk": {"path": tmp_path}})  # nothing in memory: the disk answers
     kept = [tag for tag in range(4) if reader.get(chunk(tag).key, tier="disk") is not None]
     assert kept == [2, 3] and len(list(tmp_path.glob("*.kvchunk"))) == 2
 
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"capacity_bytes": 0}, "capacity_bytes must be a positive"),
-    ({"disk_capacity_bytes": -1}, "disk_capacity_bytes must be a positive"),
+    ({"tiers": {"disk": {"path": "/tmp/kvlab-store-test", "bytes": -1}}}, "the disk tier: bytes must be a positive"),
+    ({"tiers": {"memory": {}}}, "tiers names the shared tiers to open"),
+    ({"tiers": {"s3": {}}}, "tiers names the shared tiers to open"),
+    ({"tiers": ["disk"]}, "tiers must map tier names to their settings"),
     ({"verify": "sometimes"}, "verify must be"),
 ])
 def test_bad_settings(kwargs: dict, message: str) -> None:
@@ -192,7 +195,7 @@ def test_disk_path_that_is_a_file(tmp_path: Path) -> None:
     path = tmp_path / "not-a-folder"
     path.write_text("x")
     with pytest.raises(ValueError, match="is a file, not a folder"):
-        KVStore(disk_path=path)
+        KVStore(tiers={"disk": {"path": path}})
 
 
 # ---- the disk tier at scale: start-up reads no chunk, a lookup never lists the folder, its
@@ -216,9 +219,9 @@ def listings(monkeypatch) -> list[str]:
 
 def test_start_up_reads_no_chunk(tmp_path: Path) -> None:
     """Files with bad headers are found when a lookup names them, not at start-up."""
-    KVStore(disk_path=tmp_path).put(chunk(1))
+    KVStore(tiers={"disk": {"path": tmp_path}}).put(chunk(1))
     (tmp_path / f"{'a' * 32}.kvchunk").write_bytes(b"not a chunk")
-    store = KVStore(disk_path=tmp_path)
+    store = KVStore(tiers={"disk": {"path": tmp_path}})
     assert store.stats.bad_headers == 0, "nothing read at start-up"
     assert store.disk.locate_many(["a" * 32]) == [None] and store.stats.bad_headers == 1
     assert not (tmp_path / f"{'a' * 32}.kvchunk").exists(), "a bad file is dropped once found"
@@ -226,8 +229,8 @@ def test_start_up_reads_no_chunk(tmp_path: Path) -> None:
 
 def test_a_lookup_finds_another_process_s_chunk_by_its_name_without_listing(tmp_path: Path, listings) -> None:
     c = chunk(2, blocks=3)
-    store = KVStore(disk_path=tmp_path)
-    KVStore(disk_path=tmp_path).put(c)  # another process
+    store = KVStore(tiers={"disk": {"path": tmp_path}})
+    KVStore(tiers={"disk": {"path": tmp_path}}).put(c)  # another process
     listings.clear()
     assert store.disk.locate_many(c.block_keys) == [(c.key, 0), (c.key, 1), (c.key, 2)]
     assert store.disk.locate_many([chunk(3).key]) == [None]
@@ -236,7 +239,7 @@ def test_a_lookup_finds_another_process_s_chunk_by_its_name_without_listing(tmp_
 
 def test_the_index_is_bounded_and_what_it_forgot_is_found_again(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(disk_module, "INDEXED_CHUNKS", 3)
-    store = KVStore(disk_path=tmp_path, capacity_bytes=1 << 20)
+    store = KVStore(tiers={"disk": {"path": tmp_path}}, capacity_bytes=1 << 20)
     chunks = [chunk(10 + i) for i in range(6)]
     for c in chunks:
         store.put(c)
@@ -248,7 +251,7 @@ def test_the_index_is_bounded_and_what_it_forgot_is_found_again(tmp_path: Path, 
 def test_writes_list_the_folder_only_when_the_budget_needs_it(tmp_path: Path, listings) -> None:
     c = chunk(20)
     size = len(disk_module.encode_header(c)) + c.nbytes
-    store = KVStore(disk_path=tmp_path, disk_capacity_bytes=5 * size)
+    store = KVStore(tiers={"disk": {"path": tmp_path, "bytes": 5 * size}})
     listings.clear()
     for i in range(4):
         store.put(chunk(30 + i))
@@ -260,7 +263,7 @@ def test_writes_list_the_folder_only_when_the_budget_needs_it(tmp_path: Path, li
 
 def test_headers_are_read_without_payloads(tmp_path: Path, monkeypatch) -> None:
     c = chunk(50)
-    store = KVStore(disk_path=tmp_path)
+    store = KVStore(tiers={"disk": {"path": tmp_path}})
     store.put(c)
     monkeypatch.setattr(disk_module.DiskTier, "_payload", lambda *args: pytest.fail("a payload was read"))
     (header,) = store.describe("disk", [c.key])

@@ -59,7 +59,7 @@ def tmpfs(tmp_path: Path):
 # ---- write errors ---------------------------------------------------------------------------
 @pytest.mark.parametrize("code", [errno.EROFS, errno.EIO, errno.EACCES])
 def test_a_failing_disk_is_logged_once_counted_paused_and_retried(tmp_path, monkeypatch, caplog, code) -> None:
-    store = KVStore(disk_path=tmp_path)
+    store = KVStore(tiers={"disk": {"path": tmp_path}})
 
     def fail(chunk):
         raise OSError(code, os.strerror(code))
@@ -79,14 +79,14 @@ def test_a_failing_disk_is_logged_once_counted_paused_and_retried(tmp_path, monk
 
 def test_a_full_tmpfs_evicts_instead_of_failing(tmpfs: Path) -> None:
     big = [chunk(tag, blocks=32) for tag in range(8)]  # 256 KiB each: the 1 MiB filesystem holds three
-    store = KVStore(disk_path=tmpfs, disk_capacity_bytes=100 * big[0].nbytes)  # a budget larger than the disk
+    store = KVStore(tiers={"disk": {"path": tmpfs, "bytes": 100 * big[0].nbytes}})  # a budget larger than the disk
     for c in big:
         assert store.put(c)
     files = list(tmpfs.glob("*.kvchunk"))
     assert 0 < len(files) < 8 and store.stats.evicted > 0
     assert not list(tmpfs.glob("*.tmp")), "no partial file left behind"
     assert store.stats.write_errors == 0, "a full disk made room; it did not fail"
-    got = KVStore(disk_path=tmpfs).get(big[-1].key)
+    got = KVStore(tiers={"disk": {"path": tmpfs}}).get(big[-1].key)
     assert got is not None and same_bytes(got, big[-1]), "the newest chunk is on disk"
 
 
@@ -94,24 +94,24 @@ def test_a_full_shared_memory_tier_evicts_and_another_store_reads_it(tmpfs: Path
     """The shared-memory tier is the disk tier's files in a memory-backed folder: full, it
     evicts; another process's store reads (maps) a chunk's file, bytes intact."""
     big = [chunk(tag, blocks=32) for tag in range(8)]
-    store = KVStore(capacity_bytes=big[0].nbytes, shm_path=tmpfs, shm_capacity_bytes=100 * big[0].nbytes)
+    store = KVStore(capacity_bytes=big[0].nbytes, tiers={"shm": {"path": tmpfs, "bytes": 100 * big[0].nbytes}})
     for c in big:
         assert store.put(c)
     assert 0 < len(list(tmpfs.glob("*.kvchunk"))) < 8 and store.stats.evicted > 0
     assert store.stats.write_errors == 0, "a full tier made room; it did not fail"
-    other = KVStore(shm_path=tmpfs)
+    other = KVStore(tiers={"shm": {"path": tmpfs}})
     got = other.tier("shm").get(big[-1].key)
     assert got is not None and same_bytes(got, big[-1]) and other.stats.shm_reads == 1
 
 
 def test_a_read_only_folder_with_a_corrupt_chunk(tmpfs: Path) -> None:
     good, bad = chunk(1), chunk(2)
-    KVStore(disk_path=tmpfs).put(good), KVStore(disk_path=tmpfs).put(bad)
+    KVStore(tiers={"disk": {"path": tmpfs}}).put(good), KVStore(tiers={"disk": {"path": tmpfs}}).put(bad)
     data = bytearray(file_of(tmpfs, bad).read_bytes())
     data[-3] ^= 0x01
     file_of(tmpfs, bad).write_bytes(bytes(data))
     subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)], check=True)
-    store = KVStore(disk_path=tmpfs)
+    store = KVStore(tiers={"disk": {"path": tmpfs}})
     assert hit(store, bad) is None  # a miss; its file cannot be removed
     assert store.stats.corrupt == 1 and store.stats.delete_errors == 1
     assert store.disk.locate_many(bad.block_keys) == [None, None] and store.stats.disk_reads == 1, "not offered again"
@@ -133,7 +133,7 @@ def test_single_bit_flips_in_a_header_are_never_fatal(tmp_path: Path) -> None:
     """Every bit of the header flipped in turn (thousands of files): the store starts,
     and a lookup either misses or returns exactly the stored bytes."""
     original = chunk(1)
-    KVStore(disk_path=tmp_path).put(original)
+    KVStore(tiers={"disk": {"path": tmp_path}}).put(original)
     path = file_of(tmp_path, original)
     clean = path.read_bytes()
     _, end = header_span(path)
@@ -142,7 +142,7 @@ def test_single_bit_flips_in_a_header_are_never_fatal(tmp_path: Path) -> None:
         data = bytearray(clean)
         data[bit // 8] ^= 1 << (bit % 8)
         path.write_bytes(bytes(data))
-        store = KVStore(disk_path=tmp_path)
+        store = KVStore(tiers={"disk": {"path": tmp_path}})
         got = hit(store, original)
         if got:
             assert same_bytes(got, original)
@@ -180,7 +180,7 @@ def test_hand_made_headers_are_skipped_and_counted(tmp_path: Path, case: str) ->
         path.write_bytes(chunk_format._MAGIC + struct.pack("<Q", 2 ** 63) + b"{}")
     else:
         write_raw(path, HAND_MADE[case])
-    store = KVStore(disk_path=tmp_path)  # starts
+    store = KVStore(tiers={"disk": {"path": tmp_path}})  # starts
     assert store.disk.locate("0" * 32) is None and store.get("0" * 32) is None
     assert store.stats.bad_headers + store.stats.corrupt >= 1
     c = chunk(1)
@@ -193,14 +193,14 @@ def test_a_planted_key_never_deletes_outside_the_folder(tmp_path: Path) -> None:
     precious = elsewhere / "precious.kvchunk"
     precious.write_text("keep me")
     c = chunk(1)
-    KVStore(disk_path=folder).put(c)
+    KVStore(tiers={"disk": {"path": folder}}).put(c)
     path = file_of(folder, c)
     start, end = header_span(path)
     data = path.read_bytes()
     header = json.loads(data[start:end])
     header["block_keys"][0] = "../elsewhere/precious"
     write_raw(path, header, data[end:])
-    store = KVStore(disk_path=folder)
+    store = KVStore(tiers={"disk": {"path": folder}})
     hit(store, c), store.get(c.key), store.discard(c.key)
     with pytest.raises(ValueError, match="not a chunk key"):
         store.disk.discard("../elsewhere/precious")
@@ -209,13 +209,13 @@ def test_a_planted_key_never_deletes_outside_the_folder(tmp_path: Path) -> None:
 
 def test_swapped_files_are_misses_and_the_budget_holds(tmp_path: Path) -> None:
     a, b = chunk(1), chunk(2)
-    writer = KVStore(disk_path=tmp_path)
+    writer = KVStore(tiers={"disk": {"path": tmp_path}})
     writer.put(a), writer.put(b)
     pa, pb = file_of(tmp_path, a), file_of(tmp_path, b)
     data_a, data_b = pa.read_bytes(), pb.read_bytes()
     pa.write_bytes(data_b), pb.write_bytes(data_a)
     budget = 3 * a.nbytes
-    store = KVStore(capacity_bytes=budget, disk_path=tmp_path)
+    store = KVStore(capacity_bytes=budget, tiers={"disk": {"path": tmp_path}})
     for _ in range(5):
         assert hit(store, a) is None and hit(store, b) is None
         assert store.get(a.key) is None and store.get(b.key) is None
@@ -228,10 +228,10 @@ def test_swapped_files_are_misses_and_the_budget_holds(tmp_path: Path) -> None:
 
 def test_chunks_read_from_disk_respect_the_memory_budget(tmp_path: Path) -> None:
     chunks = [chunk(tag) for tag in range(6)]
-    writer = KVStore(disk_path=tmp_path)
+    writer = KVStore(tiers={"disk": {"path": tmp_path}})
     for c in chunks:
         writer.put(c)
-    store = KVStore(capacity_bytes=2 * chunks[0].nbytes, disk_path=tmp_path)
+    store = KVStore(capacity_bytes=2 * chunks[0].nbytes, tiers={"disk": {"path": tmp_path}})
     for c in chunks:
         got = store.get(c.key)
         assert got is not None and same_bytes(got, c)
@@ -247,20 +247,20 @@ def dead_pid() -> int:
 
 
 def test_leftovers_of_killed_writers_are_removed_and_counted(tmp_path: Path) -> None:
-    host = KVStore(disk_path=tmp_path).disk._host
+    host = KVStore(tiers={"disk": {"path": tmp_path}}).disk._host
     dead_new = tmp_path / f"{'a' * 32}.{host}-{dead_pid()}.tmp"
     dead_old = tmp_path / f"{'b' * 32}.tmp{dead_pid()}"
     live = tmp_path / f"{'c' * 32}.{host}-{os.getpid()}.tmp"
     for path in (dead_new, dead_old, live):
         path.write_bytes(b"x" * 1000)
-    store = KVStore(disk_path=tmp_path, disk_capacity_bytes=chunk(0).nbytes + 8000)
+    store = KVStore(tiers={"disk": {"path": tmp_path, "bytes": chunk(0).nbytes + 8000}})
     assert not dead_new.exists() and not dead_old.exists() and live.exists()
     assert store.stats.stale_tmp_removed == 2
     assert sum(size for _, size, _ in store.disk._files()) == 1000, "a live writer's file counts toward the budget"
 
 
 def test_a_chunk_larger_than_the_disk_budget_is_not_written(tmp_path: Path) -> None:
-    store = KVStore(disk_path=tmp_path, disk_capacity_bytes=1000)
+    store = KVStore(tiers={"disk": {"path": tmp_path, "bytes": 1000}})
     assert store.put(chunk(1))  # in memory
     assert not list(tmp_path.glob("*.kvchunk")) and store.stats.disk_skipped == 1
 
@@ -268,7 +268,7 @@ def test_a_chunk_larger_than_the_disk_budget_is_not_written(tmp_path: Path) -> N
 def test_disk_eviction_follows_use_not_write_time(tmp_path: Path) -> None:
     a, b, c, d = (chunk(tag) for tag in range(4))
     size = file_of_size(tmp_path, a)
-    store = KVStore(capacity_bytes=a.nbytes, disk_path=tmp_path, disk_capacity_bytes=3 * size)
+    store = KVStore(capacity_bytes=a.nbytes, tiers={"disk": {"path": tmp_path, "bytes": 3 * size}})
     for x in (a, b, c):
         store.put(x)
         age(tmp_path, x)
@@ -283,7 +283,7 @@ def test_a_prompts_head_outlives_its_tail(tmp_path: Path) -> None:
     that order and a prompt's head outlives its tail, as vLLM frees its own blocks."""
     head, tail, other = chunk(1), chunk(2), chunk(3)
     size = file_of_size(tmp_path, head)
-    store = KVStore(capacity_bytes=head.nbytes, disk_path=tmp_path, disk_capacity_bytes=2 * size)
+    store = KVStore(capacity_bytes=head.nbytes, tiers={"disk": {"path": tmp_path, "bytes": 2 * size}})
     store.put(tail), store.put(head)
     assert hit(store, tail, tier="disk") and hit(store, head, tier="disk")
     store.put(other)
@@ -291,7 +291,7 @@ def test_a_prompts_head_outlives_its_tail(tmp_path: Path) -> None:
 
 
 def file_of_size(folder: Path, c: Chunk) -> int:
-    probe = KVStore(disk_path=folder / "probe")
+    probe = KVStore(tiers={"disk": {"path": folder / "probe"}})
     probe.put(c)
     return file_of(folder / "probe", c).stat().st_size
 
@@ -309,7 +309,7 @@ def _hammer(folder: str, worker: int, puts: int, queue) -> None:
     # Memory holds one chunk, so the previous put is read back from the shared folder: hits do
     # not depend on how the two processes happen to interleave (a chunk the other one wrote may
     # or may not be there).
-    store = KVStore(capacity_bytes=chunk(0).nbytes, disk_path=folder, disk_capacity_bytes=12 * chunk(0).nbytes)
+    store = KVStore(capacity_bytes=chunk(0).nbytes, tiers={"disk": {"path": folder, "bytes": 12 * chunk(0).nbytes}})
     for i in range(puts):
         tag = (i * 7 + worker) % 40
         try:
@@ -342,10 +342,10 @@ def test_two_processes_share_one_folder(tmp_path: Path) -> None:
 
 
 def test_a_chunk_another_process_wrote_is_found(tmp_path: Path) -> None:
-    reader = KVStore(disk_path=tmp_path)
+    reader = KVStore(tiers={"disk": {"path": tmp_path}})
     c = chunk(1)
     assert hit(reader, c) is None and reader.tier("disk").locate(c.key) is None
-    KVStore(disk_path=tmp_path).put(c)  # another process
+    KVStore(tiers={"disk": {"path": tmp_path}}).put(c)  # another process
     assert reader.tier("disk").locate_many(c.block_keys) == [(c.key, 0), (c.key, 1)]  # the scheduler's lookup
     got = hit(reader, c)  # the worker's read
     assert got is not None and same_bytes(got, c)

@@ -55,7 +55,7 @@ def test_a_budget_a_full_disk_lowered_comes_back(tmp_path: Path, monkeypatch) ->
     in full again; a new ENOSPC lowers it again, for twice as long while it stays full."""
     now = [1000.0]
     monkeypatch.setattr(tiers.backoff, "time", types.SimpleNamespace(monotonic=lambda: now[0], time=time.time))
-    store = KVStore(capacity_bytes=chunk(0).nbytes, disk_path=tmp_path, disk_capacity_bytes=40 * chunk(0).nbytes)
+    store = KVStore(capacity_bytes=chunk(0).nbytes, tiers={"disk": {"path": tmp_path, "bytes": 40 * chunk(0).nbytes}})
     disk, write, full = store.disk, store.disk._write, [0]
 
     def flaky(c: Chunk) -> None:
@@ -87,7 +87,7 @@ def test_a_budget_a_full_disk_lowered_comes_back(tmp_path: Path, monkeypatch) ->
     now[0] += RETRY_FIRST_S
     assert store.put(chunk(12)) and store.put(chunk(13)) and disk.capacity_bytes == disk.budget_bytes
     assert len(files(tmp_path)) == 8 and store.stats.write_errors == 0
-    got = KVStore(disk_path=tmp_path).get(chunk(13).key)
+    got = KVStore(tiers={"disk": {"path": tmp_path}}).get(chunk(13).key)
     assert got is not None and same_bytes(got, chunk(13))
 
 
@@ -100,12 +100,12 @@ def test_a_folder_others_can_write_is_refused(tmp_path: Path, tier: str) -> None
         folder.chmod(mode)
         with pytest.raises(ValueError, match=rf"{tier}_path {folder} is owned by uid {os.geteuid()} with mode "
                                              rf"{mode:04o}.*cannot write.*chmod go-w"):
-            KVStore(**{f"{tier}_path": folder})
+            KVStore(tiers={tier: {"path": folder}})
     mine = tmp_path / "mine"
     mine.mkdir()
     mine.chmod(0o755)  # this user's, others may read: accepted as it is
     c = chunk(1)
-    assert KVStore(capacity_bytes=1, **{f"{tier}_path": mine}).put(c) and len(files(mine)) == 1
+    assert KVStore(capacity_bytes=1, tiers={tier: {"path": mine}}).put(c) and len(files(mine)) == 1
     assert mine.stat().st_mode & 0o7777 == 0o755
 
 
@@ -117,7 +117,7 @@ def test_a_folder_of_another_user_is_refused(tmp_path: Path) -> None:
     except PermissionError:
         pytest.skip("chown needs root")
     with pytest.raises(ValueError, match=rf"disk_path {folder} is owned by uid 65534 with mode 0700"):
-        KVStore(disk_path=folder)
+        KVStore(tiers={"disk": {"path": folder}})
 
 
 def test_a_pre_created_open_shared_memory_folder_is_refused() -> None:
@@ -128,7 +128,7 @@ def test_a_pre_created_open_shared_memory_folder_is_refused() -> None:
     try:
         folder.chmod(0o777)  # as another user would leave it for the victim's default store_name
         with pytest.raises(ValueError, match="shm_path .* mode 0777"):
-            KVStore(shm_path=folder)
+            KVStore(tiers={"shm": {"path": folder}})
         assert not files(folder)
     finally:
         folder.rmdir()
@@ -138,7 +138,7 @@ def test_a_pre_created_open_shared_memory_folder_is_refused() -> None:
 def test_missing_folders_are_created_private_whatever_the_umask(tmp_path: Path, tier: str) -> None:
     previous = os.umask(0o002)
     try:
-        store = KVStore(**{f"{tier}_path": tmp_path / "a" / "b" / "kv"})
+        store = KVStore(tiers={tier: {"path": tmp_path / "a" / "b" / "kv"}})
     finally:
         os.umask(previous)
     for folder in (tmp_path / "a", tmp_path / "a" / "b", tmp_path / "a" / "b" / "kv"):
@@ -150,16 +150,16 @@ def test_missing_folders_are_created_private_whatever_the_umask(tmp_path: Path, 
 @pytest.mark.parametrize("tier", ["disk", "shm"])
 def test_a_keyed_store_reads_its_own_chunks_back_bitwise(tmp_path: Path, tier: str) -> None:
     c = chunk(1)
-    assert KVStore(**{f"{tier}_path": tmp_path}, auth_key=KEY).put(c)
+    assert KVStore(tiers={tier: {"path": tmp_path}}, auth_key=KEY).put(c)
     header, _ = split(files(tmp_path)[0].read_bytes())
     assert len(header["mac"]) == 64 and int(header["mac"], 16) >= 0
-    keyed = KVStore(**{f"{tier}_path": tmp_path}, auth_key=KEY)
+    keyed = KVStore(tiers={tier: {"path": tmp_path}}, auth_key=KEY)
     got = hit(keyed, c)
     assert got is not None and same_bytes(got, c) and keyed.stats.forged == 0 and keyed.stats.corrupt == 0
-    unkeyed = KVStore(**{f"{tier}_path": tmp_path})  # without a key the mac is ignored
+    unkeyed = KVStore(tiers={tier: {"path": tmp_path}})  # without a key the mac is ignored
     got = unkeyed.get(c.key)
     assert got is not None and same_bytes(got, c)
-    KVStore(**{f"{tier}_path": tmp_path}).put(chunk(2))  # and the unkeyed format is unchanged
+    KVStore(tiers={tier: {"path": tmp_path}}).put(chunk(2))  # and the unkeyed format is unchanged
     assert "mac" not in split((tmp_path / f"{chunk(2).key}.kvchunk").read_bytes())[0]
 
 
@@ -186,11 +186,11 @@ def forge(path: Path, how: str) -> None:
 @pytest.mark.parametrize("tier", ["disk", "shm"])
 def test_a_chunk_rewritten_without_the_key_is_refused(tmp_path: Path, tier: str, how: str) -> None:
     c = chunk(1)
-    KVStore(**{f"{tier}_path": tmp_path}, auth_key=KEY).put(c)
+    KVStore(tiers={tier: {"path": tmp_path}}, auth_key=KEY).put(c)
     path = files(tmp_path)[0]
     forge(path, how)
-    assert KVStore(**{f"{tier}_path": tmp_path}).get(c.key) is not None, "its CRC is valid: only a key tells"
-    keyed = KVStore(**{f"{tier}_path": tmp_path}, auth_key=KEY)
+    assert KVStore(tiers={tier: {"path": tmp_path}}).get(c.key) is not None, "its CRC is valid: only a key tells"
+    keyed = KVStore(tiers={tier: {"path": tmp_path}}, auth_key=KEY)
     assert hit(keyed, c) is None and keyed.get(c.key) is None
     assert keyed.stats.forged == 1 and keyed.stats.corrupt == 1 and not path.exists()
 
@@ -213,11 +213,11 @@ def test_a_redis_value_rewritten_without_the_key_is_refused(redis_server) -> Non
                                     {"another field": 1}])
 def test_a_mac_of_the_wrong_type_or_another_field_is_a_bad_header(tmp_path: Path, change: dict) -> None:
     c = chunk(1)
-    KVStore(disk_path=tmp_path, auth_key=KEY).put(c)
+    KVStore(tiers={"disk": {"path": tmp_path}}, auth_key=KEY).put(c)
     path = files(tmp_path)[0]
     header, payload = split(path.read_bytes())
     path.write_bytes(join({**header, **change}, payload))
-    store = KVStore(disk_path=tmp_path)
+    store = KVStore(tiers={"disk": {"path": tmp_path}})
     assert store.get(c.key) is None and store.stats.bad_headers == 1 and store.stats.corrupt == 1
 
 
@@ -232,8 +232,8 @@ def test_a_keyed_shared_memory_tier_reads_a_private_copy(tmp_path: Path) -> None
     without the key could change the bytes before they are loaded. With a key the bytes
     are read into memory instead."""
     c = chunk(1)
-    KVStore(shm_path=tmp_path, auth_key=KEY).put(c)
-    got = KVStore(shm_path=tmp_path, auth_key=KEY).get(c.key)
+    KVStore(tiers={"shm": {"path": tmp_path}}, auth_key=KEY).put(c)
+    got = KVStore(tiers={"shm": {"path": tmp_path}}, auth_key=KEY).get(c.key)
     assert got is not None and same_bytes(got, c)
     path = files(tmp_path)[0]
     with open(path, "r+b") as f:  # in place, as a writer without the key could
@@ -247,7 +247,7 @@ def test_chunk_files_are_this_users_alone(tmp_path) -> None:
     from its KV), whatever the umask."""
     old = os.umask(0o002)
     try:
-        KVStore(disk_path=tmp_path / "kv").put(chunk(1))
+        KVStore(tiers={"disk": {"path": tmp_path / "kv"}}).put(chunk(1))
     finally:
         os.umask(old)
     (path,) = (tmp_path / "kv").glob("*.kvchunk")

@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 import types
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -21,16 +22,19 @@ from kvlab.store.tiers import (
     RETRY_FIRST_S,
     RETRY_MAX_S,
     Backoff,
+    DiskSettings,
     MemoryTier,
     RedisTier,
     StoreStats,
     Tier,
+    TierSettings,
     backoff,
     register_tier,
     shared_tier_names,
     tier_names,
     unregister_tier,
 )
+from kvlab.store.tiers.settings import check_bytes
 from kvlab.testing.chunks import random_chunk
 
 GEOMETRY = ModelGeometry("tiers-test", 2, 2, 32, torch.bfloat16, 16)
@@ -95,33 +99,63 @@ class ListTier:
         pass
 
 
-def test_a_registered_tier_is_opened_by_the_store_and_accepted_by_the_config() -> None:
-    register_tier("listed", lambda settings: ListTier(settings.stats))
+@dataclass(frozen=True)
+class ListSettings(TierSettings):
+    """The test tier's one setting, checked as a tier checks its own."""
+
+    most: int = 10
+
+    FLAT_KEYS = {"listed_most": "most"}
+
+    def __post_init__(self) -> None:
+        check_bytes("most", self.most)
+
+
+def test_a_registered_tier_opens_only_where_named_with_its_settings() -> None:
+    opened = []
+    register_tier("listed", lambda settings, store: opened.append(settings) or ListTier(store.stats),
+                  settings=ListSettings)
     try:
-        store = KVStore()
+        assert KVStore().shared == () and opened == [], "registered, but named by no store"
+        store = KVStore(tiers={"listed": {"most": 3}})
         assert [t.name for t in store.shared] == ["listed"] and isinstance(store.tier("listed"), Tier)
+        assert opened == [ListSettings(3)] and store.tiers == {"listed": ListSettings(3)}
         c = chunk(1)
         assert store.save(c).shared == ("listed",)
         store.evict([c.key])
         assert store.fetch(c.key, c.signature).tier == "listed"
-        config = ConnectorConfig.parse({"tiers": ["memory", "listed"]})
-        assert config.shared_tiers == ("listed",)
+        config = ConnectorConfig.parse({"tiers": ["memory", "listed"], "listed": {"most": 5}})
+        assert config.shared_tiers == ("listed",) and config.store_options()["tiers"] == {"listed": ListSettings(5)}
+        assert ConnectorConfig.parse({"tiers": ["listed"], "listed_most": 7}).tier_settings["listed"].most == 7
+        with pytest.raises(ValueError, match="^the listed tier: most must be a positive integer"):
+            KVStore(tiers={"listed": {"most": 0}})
+        with pytest.raises(ValueError, match="KVLabConnector: listed is a setting of the listed tier, which tiers"):
+            ConnectorConfig.parse({"listed": {"most": 5}})
     finally:
         unregister_tier("listed")
-    assert "listed" not in tier_names() and KVStore().shared == ()
+    assert "listed" not in tier_names()
     with pytest.raises(ValueError, match="tiers must name each of"):
         ConnectorConfig.parse({"tiers": ["memory", "listed"]})
 
 
-@pytest.mark.parametrize("name, factory, error, message", [
-    ("Disk", lambda s: None, ValueError, "lower-case"),
-    ("", lambda s: None, ValueError, "lower-case"),
-    ("disk", lambda s: None, ValueError, "registered already"),
-    ("mine", "not callable", TypeError, "must be callable"),
+def test_the_built_in_tiers_open_with_their_settings(tmp_path: Path) -> None:
+    store = KVStore(tiers={"disk": {"path": tmp_path / "disk", "bytes": 1 << 20}, "shm": {"path": str(tmp_path / "shm")}})
+    assert store.shared_names == ("shm", "disk") and store.disk.budget_bytes == 1 << 20
+    assert store.tier("shm").path == tmp_path / "shm" and store.tier("shm").budget_bytes == 4 << 30
+    assert store.tiers["disk"] == DiskSettings(str(tmp_path / "disk"), 1 << 20)
+
+
+@pytest.mark.parametrize("name, factory, options, error, message", [
+    ("Disk", lambda s, store: None, {}, ValueError, "lower-case"),
+    ("", lambda s, store: None, {}, ValueError, "lower-case"),
+    ("disk", lambda s, store: None, {}, ValueError, "registered already"),
+    ("mine", "not callable", {}, TypeError, "must be callable"),
+    ("mine", lambda s, store: None, {"settings": dict}, TypeError, "must be a TierSettings dataclass"),
+    ("mine", lambda s, store: None, {"settings": DiskSettings}, ValueError, r"flat key\(s\) \['disk_bytes'"),
 ])
-def test_bad_registrations(name: str, factory: object, error: type, message: str) -> None:
+def test_bad_registrations(name: str, factory: object, options: dict, error: type, message: str) -> None:
     with pytest.raises(error, match=message):
-        register_tier(name, factory)
+        register_tier(name, factory, **options)
     with pytest.raises(ValueError, match="no tier 'nothing'"):
         unregister_tier("nothing")
 
@@ -186,13 +220,13 @@ def test_redis_paused_writes_are_redis_skipped_not_disk_skipped(clock: Clock, ca
 
 
 def test_every_built_in_tier_is_a_tier(tmp_path: Path) -> None:
-    store = KVStore(disk_path=tmp_path / "disk", shm_path=tmp_path / "shm")
+    store = KVStore(tiers={"shm": {"path": tmp_path / "shm"}, "disk": {"path": tmp_path / "disk"}})
     assert all(isinstance(tier, Tier) for tier in (store.tier("memory"), *store.shared))
     assert isinstance(RedisTier(f"redis://127.0.0.1:{free_port()}/0", StoreStats()), Tier)
 
 
 def test_a_store_without_the_built_in_memory_tier_is_refused() -> None:
-    register_tier("memory", lambda settings: None, shared=False, replace=True)
+    register_tier("memory", lambda settings, store: ListTier(store.stats), shared=False, replace=True)
     try:
         with pytest.raises(ValueError, match="exactly one tier of its process's own"):
             KVStore()
@@ -218,3 +252,23 @@ def test_the_bulk_reader_reads_values_whole_and_names_what_it_cannot_read(redis_
         reader.get("a list")
     assert bytes(reader.get("v")) == value, "a fresh connection after the error"
     reader.close()
+
+
+def test_what_is_the_stores_fault() -> None:
+    """What the connector's strict mode still recomputes: an OSError, a failed check, a
+    store's fault, an error raised from one, and the errors a tier names as its client's."""
+    import redis
+
+    from kvlab.store import FailedCheck, ForgedChunk, StoreFault, is_store_fault
+
+    assert all(is_store_fault(e) for e in (OSError(28, "full"), FailedCheck("crc"), ForgedChunk("mac"), StoreFault()))
+    assert not is_store_fault(TypeError("a bug")) and not is_store_fault(ValueError("a bug"))
+    try:
+        try:
+            raise ConnectionError("reset")
+        except ConnectionError as cause:
+            raise RuntimeError("layerwise load failed") from cause
+    except RuntimeError as wrapped:
+        assert is_store_fault(wrapped)
+    store = KVStore(tiers={"redis": {"url": f"redis://127.0.0.1:{free_port()}/0"}})
+    assert is_store_fault(redis.ResponseError("LOADING"), store.faults) and not is_store_fault(redis.ResponseError())

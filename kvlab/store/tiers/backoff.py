@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any, Callable
 
@@ -15,12 +16,14 @@ RETRY_FIRST_S, RETRY_MAX_S = 1.0, 300.0
 
 class Backoff:
     """Pause after each failure for the current delay, which doubles (up to RETRY_MAX_S)
-    until a success resets it; and a warning per kind of fault, the first time only."""
+    until a success resets it; and a warning per kind of fault, the first time only.
+    Thread-safe: a tier's threads fail, succeed and log through one back-off."""
 
     def __init__(self) -> None:
         self.delay_s = RETRY_FIRST_S  # the next pause
         self._until = 0.0
         self._logged: set[str] = set()
+        self._lock = threading.Lock()
 
     @property
     def paused(self) -> bool:
@@ -29,20 +32,24 @@ class Backoff:
 
     def fail(self) -> float:
         """Start a pause of the current delay and double the next; returns the pause (s)."""
-        pause = self.delay_s
-        self._until = time.monotonic() + pause
-        self.delay_s = min(2 * pause, RETRY_MAX_S)
+        with self._lock:
+            pause = self.delay_s
+            self._until = time.monotonic() + pause
+            self.delay_s = min(2 * pause, RETRY_MAX_S)
         return pause
 
     def succeed(self) -> None:
         """It worked: no pause, and the next failure pauses for RETRY_FIRST_S again."""
-        self.delay_s = RETRY_FIRST_S
-        self._until = 0.0
+        with self._lock:
+            self.delay_s = RETRY_FIRST_S
+            self._until = 0.0
 
     def log_once(self, kind: str, message: str, *args: object) -> None:
         """``logger.warning(message, *args)`` the first time ``kind`` happens."""
-        if kind not in self._logged:
+        with self._lock:
+            first = kind not in self._logged
             self._logged.add(kind)
+        if first:
             logger.warning(message, *args)
 
     def call(self, stats: Any, kind: str, operation: Callable[[], Any], errors: tuple[type[BaseException], ...],

@@ -1,7 +1,7 @@
 """The disk tier: chunk files in a folder that outlives the process and may be shared by
-several processes at once; and the same folder in host-shared memory (``/dev/shm``,
-mapped without copying: every process and engine on a host). Every fault is absorbed,
-counted in :class:`StoreStats` and logged once (kvlab.store.tiers.backoff)."""
+several processes at once (kvlab.store.tiers.shm keeps the same files in host-shared
+memory). Every fault is absorbed, counted in :class:`StoreStats` and logged once
+(kvlab.store.tiers.backoff)."""
 
 from __future__ import annotations
 
@@ -10,18 +10,20 @@ import os
 from collections import OrderedDict
 import re
 import socket
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, ClassVar
 
-import numpy as np
 import torch
 
-from kvlab.store.chunk import _SUFFIX, Chunk, Header, authentic, chunk_from, encode_header, parse_header, payload
+from kvlab.store.chunk import FILE_SUFFIX, Chunk, Header, authentic, chunk_from, encode_header, parse_header, payload
 from kvlab.store.keys import valid_key
 from kvlab.store.safe_paths import Folder, open_folder
 from kvlab.store.tiers.backoff import Backoff
 from kvlab.store.tiers.folders import STALE_TMP_S, TMP_FILE, process_alive
+from kvlab.store.tiers.settings import TierSettings, check_bytes, check_folder, filesystem_room
 from kvlab.store.tiers.stats import StoreStats
 
 
@@ -33,16 +35,18 @@ INDEXED_CHUNKS = 8192
 RECOUNT_S = 10.0
 
 _last_use_ns = 0
+_stamp_lock = threading.Lock()  # every tier of the process stamps from the one clock
 
 
 def _stamp(folder: Folder, name: str) -> None:
-    """Mark file ``name`` used now, strictly after every use this process marked before: a file
-    system's clock ticks in milliseconds, and uses in one tick would tie and evict in any
-    order. Gone or read-only: eviction order is only a preference."""
+    """Mark file ``name`` used now, strictly after every use this process marked before (any
+    thread, any tier): a file system's clock ticks in milliseconds, and uses in one tick would
+    tie and evict in any order. Gone or read-only: eviction order is only a preference."""
     global _last_use_ns
-    _last_use_ns = max(time.time_ns(), _last_use_ns + 1)
+    with _stamp_lock:
+        _last_use_ns = used = max(time.time_ns(), _last_use_ns + 1)
     try:
-        folder.utime(name, (_last_use_ns, _last_use_ns))
+        folder.utime(name, (used, used))
     except OSError:
         pass
 
@@ -55,7 +59,9 @@ class DiskTier:
     lookup names its chunk (a file is named after its chunk's last block: one open per
     block not indexed, never a scan of the folder). Start-up lists the folder's names
     once, for temporary files dead writers left; nothing is read. The index keeps the block
-    keys of the INDEXED_CHUNKS most recently used chunks. Every OSError is absorbed: counted, logged once,
+    keys of the INDEXED_CHUNKS most recently used chunks. Thread-safe (a worker reads it from
+    two fetch threads while its save thread writes and evicts): one lock guards what the tier
+    keeps in memory, never a file's I/O. Every OSError is absorbed: counted, logged once,
     and after a failed write the tier pauses writing with a doubling back-off (a full disk
     first evicts to make room and tries once more; its lower budget lasts for a doubling
     back-off too, then ``budget_bytes`` is tried again).
@@ -84,6 +90,7 @@ class DiskTier:
         self._full_at = 0  # bytes the folder held when the filesystem was last full
         self._regrow = Backoff()  # a budget lowered by a full filesystem is tried in full again when it ends
         self._host = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:64] or "host"
+        self._lock = threading.RLock()  # the index, the rejected files and the bytes counted
         self._remove_stale_tmp()
 
     # ---- lookups -------------------------------------------------------------------
@@ -94,14 +101,15 @@ class DiskTier:
         """From the index; a block not in it is looked for in the chunk files the given
         keys name (a prompt's keys name its chunks: each chunk is named after its last
         block), whose headers are then indexed."""
-        found = [self._index.get(key) for key in block_keys]
-        if None in found:
-            for key, hit in zip(block_keys, found):
-                if hit is None and key not in self._chunk_blocks:
-                    self._header(key)  # indexes the file named after this block, if there is one
+        with self._lock:
             found = [self._index.get(key) for key in block_keys]
-        for chunk_key in {hit[0] for hit in found if hit is not None}:
-            self._chunk_blocks.move_to_end(chunk_key)
+            unindexed = [key for key, hit in zip(block_keys, found) if hit is None and key not in self._chunk_blocks]
+        for key in unindexed:
+            self._header(key)  # indexes the file named after this block, if there is one
+        with self._lock:
+            found = [self._index.get(key) for key in block_keys] if unindexed else found
+            for chunk_key in {hit[0] for hit in found if hit is not None and hit[0] in self._chunk_blocks}:
+                self._chunk_blocks.move_to_end(chunk_key)
         return found
 
     def describe_many(self, chunk_keys: list[str]) -> list[Header | None]:
@@ -197,8 +205,11 @@ class DiskTier:
         return None
 
     def _header(self, chunk_key: str) -> Header | None:
-        if not valid_key(chunk_key) or (chunk_key in self._rejected
-                                        and self._rejected[chunk_key] == self.identity(chunk_key)):
+        if not valid_key(chunk_key):
+            return None
+        with self._lock:
+            rejected = self._rejected.get(chunk_key)
+        if rejected is not None and rejected == self.identity(chunk_key):
             return None
         read = self._read(self._name(chunk_key), chunk_key, payload=False)
         if read is None:
@@ -216,7 +227,7 @@ class DiskTier:
         ever built from what a file holds)."""
         if not valid_key(chunk_key):
             raise ValueError(f"not a chunk key (32 hex digits): {chunk_key!r}")
-        return f"{chunk_key}{_SUFFIX}"
+        return f"{chunk_key}{FILE_SUFFIX}"
 
     def _payload(self, f: BinaryIO, path: Path, header: Header) -> torch.Tensor:
         """The payload, read into memory in one call."""
@@ -241,8 +252,9 @@ class DiskTier:
             raise
         _stamp(self._folder, name)
         self._add(chunk.block_keys)
-        if self._held is not None:
-            self._held += chunk.nbytes
+        with self._lock:
+            if self._held is not None:
+                self._held += chunk.nbytes
 
     def _shrink_to_fit(self, chunk: Chunk) -> bool:
         """The filesystem is full before the budget is: make the limit what it holds for a
@@ -272,7 +284,7 @@ class DiskTier:
     def _files(self) -> list[tuple[str, int, int]]:
         """Every chunk and temporary file's name with its size and last use (ns), oldest first."""
         try:
-            entries = self._folder.entries(lambda name: name.endswith(_SUFFIX) or bool(TMP_FILE.match(name)))
+            entries = self._folder.entries(lambda name: name.endswith(FILE_SUFFIX) or bool(TMP_FILE.match(name)))
         except OSError:
             return []
         return sorted(((name, stat.st_size, stat.st_mtime_ns) for name, stat in entries), key=lambda f: f[2])
@@ -281,20 +293,22 @@ class DiskTier:
         """Evict least recently used files until ``incoming`` more bytes fit; the bytes left.
         The folder is listed only when the bytes counted would not leave room, or were
         counted more than RECOUNT_S ago: not at every write."""
-        fits = self._held is not None and self._held + incoming <= self.capacity_bytes
-        if fits and time.monotonic() - self._counted_at < RECOUNT_S:
-            return self._held
+        with self._lock:
+            held, counted_at = self._held, self._counted_at
+        if held is not None and held + incoming <= self.capacity_bytes and time.monotonic() - counted_at < RECOUNT_S:
+            return held
         files = self._files()
         total = sum(size for _, size, _ in files)
         for name, size, _ in files:
             if total + incoming <= self.capacity_bytes:
                 break
-            if name.endswith(_SUFFIX):
-                self._forget(name.removesuffix(_SUFFIX))
+            if name.endswith(FILE_SUFFIX):
+                self._forget(name.removesuffix(FILE_SUFFIX))
                 if self._unlink(name):
                     self.stats.evicted += 1
                     total -= size
-        self._held, self._counted_at = total, time.monotonic()
+        with self._lock:
+            self._held, self._counted_at = total, time.monotonic()
         return total
 
     def _remove_stale_tmp(self) -> None:
@@ -315,29 +329,32 @@ class DiskTier:
 
     def _add(self, block_keys: list[str]) -> None:
         chunk_key = block_keys[-1]
-        self._forget(chunk_key)
-        self._chunk_blocks[chunk_key] = block_keys
-        for position, key in enumerate(block_keys):
-            self._index[key] = (chunk_key, position)
-        while len(self._chunk_blocks) > INDEXED_CHUNKS:
-            self._forget(next(iter(self._chunk_blocks)))
+        with self._lock:
+            self._forget(chunk_key)
+            self._chunk_blocks[chunk_key] = block_keys
+            for position, key in enumerate(block_keys):
+                self._index[key] = (chunk_key, position)
+            while len(self._chunk_blocks) > INDEXED_CHUNKS:
+                self._forget(next(iter(self._chunk_blocks)))
 
     def _forget(self, chunk_key: str) -> None:
-        for key in self._chunk_blocks.pop(chunk_key, ()):
-            if self._index.get(key, (None,))[0] == chunk_key:
-                del self._index[key]
+        with self._lock:  # the check and the removal at once: another thread may forget the same block
+            for key in self._chunk_blocks.pop(chunk_key, ()):
+                if self._index.get(key, (None,))[0] == chunk_key:
+                    del self._index[key]
 
     def _reject(self, name: str, why: str, error: Exception) -> None:
         """A damaged file: counted, forgotten, removed when the folder allows it."""
         self.stats.corrupt += 1
         self._log_once(why, f"KVLabConnector store: dropping {self.path / name} ({error}); recomputing instead")
-        chunk_key = name.removesuffix(_SUFFIX)
+        chunk_key = name.removesuffix(FILE_SUFFIX)
         self._forget(chunk_key)
         kept = None if self._unlink(name) else self.identity(chunk_key)
         if kept is not None:  # not indexed again unless it is rewritten
-            self._rejected[chunk_key] = kept
-            while len(self._rejected) > INDEXED_CHUNKS:
-                self._rejected.popitem(last=False)
+            with self._lock:
+                self._rejected[chunk_key] = kept
+                while len(self._rejected) > INDEXED_CHUNKS:
+                    self._rejected.popitem(last=False)
 
     def _unlink(self, name: str, count: bool = True) -> bool:
         try:
@@ -356,31 +373,25 @@ class DiskTier:
         self._writes.log_once(kind, "%s", message)
 
 
-class SharedMemoryTier(DiskTier):
-    """The disk tier's files in a memory-backed folder (``/dev/shm``): every process and
-    engine on the host shares them, and a read maps the file instead of copying it (the
-    chunk's tensors are the page-cache pages themselves, copy-on-write). With ``auth_key``
-    a read copies the file, as the disk tier does: a mapping shows what a writer without
-    the key writes into the file after its MAC was checked."""
+@dataclass(frozen=True)
+class DiskSettings(TierSettings):
+    """The disk tier's settings: its folder (``path``, absolute: every process of a store
+    names the same one) and its budget (``bytes``)."""
 
-    name = "shm"
+    path: str
+    bytes: int = 16 << 30
 
-    def _payload(self, f: BinaryIO, path: Path, header: Header) -> torch.Tensor:
-        if self.auth_key is not None:
-            return super()._payload(f, path, header)
-        mapped = np.memmap(f, dtype=np.uint8, mode="c", offset=header.payload_start, shape=(header.payload_bytes,))
-        return torch.from_numpy(mapped)
+    FLAT_KEYS = {"disk_path": "path", "disk_bytes": "bytes"}
+    BUDGET = "bytes"
+    EXAMPLE: ClassVar[str] = "/var/cache/kvlab"
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", check_folder("path", self.path, self.EXAMPLE))
+        check_bytes("bytes", self.bytes)
 
-def open_disk(settings) -> DiskTier | None:  # noqa: ANN001 - a KVStore (kvlab.store.tiers.registry)
-    """A disk tier where the store has a ``disk_path``."""
-    if settings.disk_path is None:
-        return None
-    return DiskTier(Path(settings.disk_path), settings.disk_capacity_bytes, settings.stats, settings.auth_key)
+    def room(self) -> tuple[int, str] | None:
+        return filesystem_room(self.path)
 
 
-def open_shm(settings) -> SharedMemoryTier | None:  # noqa: ANN001 - a KVStore (kvlab.store.tiers.registry)
-    """A shared-memory tier where the store has an ``shm_path``."""
-    if settings.shm_path is None:
-        return None
-    return SharedMemoryTier(Path(settings.shm_path), settings.shm_capacity_bytes, settings.stats, settings.auth_key)
+def open_disk(settings: DiskSettings, store) -> DiskTier:  # noqa: ANN001 - a KVStore (kvlab.store.tiers.registry)
+    return DiskTier(Path(settings.path), settings.bytes, store.stats, store.auth_key)

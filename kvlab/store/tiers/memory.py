@@ -47,6 +47,6 @@ class MemoryTier(BookedTier):
         return self._book.values()
 
 
-def open_memory(settings) -> MemoryTier:  # noqa: ANN001 - a KVStore (kvlab.store.tiers.registry)
-    """Every store has its memory tier, within ``capacity_bytes``."""
-    return MemoryTier(settings.capacity_bytes, settings.stats)
+def open_memory(settings: None, store) -> MemoryTier:  # noqa: ANN001 - a KVStore (kvlab.store.tiers.registry)
+    """Every store has its memory tier, within the store's ``capacity_bytes``."""
+    return MemoryTier(store.capacity_bytes, store.stats)

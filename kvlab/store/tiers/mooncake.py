@@ -12,6 +12,7 @@ import ctypes
 import os
 import re
 import socket
+from dataclasses import dataclass
 from typing import Any, Callable
 from urllib.parse import parse_qsl, urlsplit
 
@@ -21,6 +22,7 @@ from kvlab.store.chunk import Chunk, ForgedChunk, Header, encode_header, from_by
 from kvlab.store.tiers.backoff import Backoff
 from kvlab.store.tiers.deadline import Deadline, ServerWatch
 from kvlab.store.tiers.remote import CALL_TIMEOUT_S, checked_header, drop_corrupt, location, reachable
+from kvlab.store.tiers.settings import TierSettings, check_bytes, check_text
 from kvlab.store.tiers.stats import StoreStats
 
 # Mooncake's error codes (mooncake-store/include/types.h) the tier tells apart.
@@ -225,9 +227,22 @@ class MooncakeTier:
         drop_corrupt(self, self._backoff, "Mooncake", chunk_key, error)
 
 
-def open_mooncake(settings) -> MooncakeTier | None:  # noqa: ANN001 - a KVStore (kvlab.store.tiers.registry)
-    """A Mooncake tier where the store has a ``mooncake_url``."""
-    if getattr(settings, "mooncake_url", None) is None:
-        return None
-    return MooncakeTier(settings.mooncake_url, settings.stats, settings.mooncake_segment_bytes,
-                        auth_key=settings.auth_key)
+@dataclass(frozen=True)
+class MooncakeSettings(TierSettings):
+    """The Mooncake tier's settings: the master's ``url`` (mooncake://host:port?metadata_port=P)
+    and ``segment_bytes``, the memory this process lends the store (0: the store's own
+    segment processes hold everything)."""
+
+    url: str
+    segment_bytes: int = 0
+
+    FLAT_KEYS = {"mooncake_url": "url", "mooncake_segment_bytes": "segment_bytes"}
+
+    def __post_init__(self) -> None:
+        check_text("url", self.url)
+        parse_mooncake_url(self.url)
+        check_bytes("segment_bytes", self.segment_bytes, least=0)
+
+
+def open_mooncake(settings: MooncakeSettings, store) -> MooncakeTier:  # noqa: ANN001 - a KVStore
+    return MooncakeTier(settings.url, store.stats, settings.segment_bytes, auth_key=store.auth_key)

@@ -14,7 +14,8 @@ class Tier(Protocol):
     the chunk) without their payload; ``get`` reads and checks.
     ``shared`` tiers are seen by every process that opens them (so a scheduler can look
     up what a worker wrote); the memory tier is its process's own. ``isinstance(x, Tier)``
-    checks that ``x`` has every method (not their signatures)."""
+    checks that ``x`` has every method (not their signatures). A tier may name its client's
+    exceptions in ``errors``: faults of the store, never of kvlab (kvlab.store.faults)."""
 
     name: str
     shared: bool

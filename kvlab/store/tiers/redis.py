@@ -5,6 +5,7 @@ its own (kvlab.store.tiers.redis_cluster)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from kvlab.store.chunk import HEADER_PREFIX, Chunk, ForgedChunk, Header, from_bytes, header_length, to_bytes
@@ -13,6 +14,7 @@ from kvlab.store.tiers.backoff import Backoff
 from kvlab.store.tiers.redis_cluster import ClusterNodes, node_errors
 from kvlab.store.tiers.remote import CALL_TIMEOUT_S, checked_header, drop_corrupt, location
 from kvlab.store.tiers.resp import BulkReader
+from kvlab.store.tiers.settings import TierSettings, check_text
 from kvlab.store.tiers.stats import StoreStats
 
 
@@ -46,7 +48,7 @@ class RedisTier:
         self._backoff = Backoff()
         self.round_trips = 0
         self._cluster = ClusterNodes(url, timeout_s) if is_cluster_url(url) else None
-        self._errors = node_errors()
+        self.errors = node_errors()  # its client's errors: faults of the server, never of kvlab (kvlab.store.faults)
         if self._cluster is not None:
             self.client, self._bulk = None, None
             return
@@ -62,7 +64,7 @@ class RedisTier:
         """Raise ValueError naming the server unless it answers (at start-up)."""
         try:
             self._cluster.check() if self._cluster is not None else self.client.ping()
-        except self._errors as error:
+        except self.errors as error:
             raise ValueError(f"the Redis tier cannot reach {self.url} ({error})") from None
 
     # ---- lookups -------------------------------------------------------------------
@@ -182,14 +184,26 @@ class RedisTier:
     def _call(self, kind: str, operation: Callable[[], Any]) -> Any:
         if not self._backoff.paused:
             self.round_trips += 1
-        return self._backoff.call(self.stats, kind, operation, self._errors, f"Redis at {self.url}", "redis_skipped")
+        return self._backoff.call(self.stats, kind, operation, self.errors, f"Redis at {self.url}", "redis_skipped")
 
     def _reject(self, chunk_key: str, error: Exception) -> None:
         drop_corrupt(self, self._backoff, "Redis", chunk_key, error)
 
 
-def open_redis(settings) -> RedisTier | None:  # noqa: ANN001 - a KVStore (kvlab.store.tiers.registry)
-    """A Redis tier where the store has a ``redis_url``."""
-    if settings.redis_url is None:
-        return None
-    return RedisTier(settings.redis_url, settings.stats, auth_key=settings.auth_key)
+@dataclass(frozen=True)
+class RedisSettings(TierSettings):
+    """The Redis tier's settings: the server's or the cluster's ``url`` (redis://host:port/db,
+    rediss://, redis-cluster://host:port; a password named by ``?password_file=`` or
+    ``?password_env=``: kvlab.store.secrets). Its server bounds its own bytes."""
+
+    url: str
+
+    FLAT_KEYS = {"redis_url": "url"}
+
+    def __post_init__(self) -> None:
+        check_text("url", self.url)
+        check_redis_url(self.url)
+
+
+def open_redis(settings: RedisSettings, store) -> RedisTier:  # noqa: ANN001 - a KVStore (kvlab.store.tiers.registry)
+    return RedisTier(settings.url, store.stats, auth_key=store.auth_key)

@@ -53,4 +53,5 @@ def copy_gather(t: Transfer) -> None:
         staged(t, kernel)
 
 
-register(CopyMethod("gather", copy_gather, colour="#0072B2", rank=20))
+# method="auto" falls back to it: it runs everywhere, devices too
+register(CopyMethod("gather", copy_gather, colour="#0072B2", rank=20, preference=20))

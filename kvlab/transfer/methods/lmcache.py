@@ -5,11 +5,12 @@ on a GPU). Imports LMCache only when asked for."""
 from __future__ import annotations
 
 import os
+from math import prod
 from typing import TYPE_CHECKING
 
 import torch
 
-from kvlab.cache.allocation import KVCache, layer_name
+from kvlab.cache.allocation import KVCache, axis_sizes, layer_name
 from kvlab.cache.layouts import LAYOUTS
 from kvlab.transfer.common import device_of
 from kvlab.transfer.registry import CopyMethod, register
@@ -63,10 +64,9 @@ def copy_lmcache(t: Transfer) -> None:
     within = torch.arange(g.block_size)
     for c, p in zip(chunk_blocks, paged_blocks):
         slots[c * g.block_size:(c + 1) * g.block_size] = p * g.block_size + within
-    if device.type == "cpu":  # the torch fallback takes the layers shaped as its page buffers
-        pages = paged.num_blocks * g.block_size
-        shape = {"flash_attn_v0.12": (2, pages, -1), "flashinfer_v0.12": (paged.num_blocks, 2, g.block_size, -1),
-                 "mla_v0.12": (pages, -1)}[paged.layout.name]
+    if device.type == "cpu":  # the torch fallback takes the layers shaped as its page buffers (Layout.lmcache_pages)
+        sizes = axis_sizes(paged.layout, g, paged.num_blocks)
+        shape = [prod(sizes[axis] for axis in group) for group in paged.layout.lmcache_pages[:-1]] + [-1]
         pointers = [x.view(shape) for x in layers]
     else:
         pointers = torch.tensor([x.data_ptr() for x in layers], device=device)
