@@ -1,7 +1,7 @@
 """What one hit costs the connector, measured in this process (kvlab.testing.driver drives
 it as vLLM would): where a whole-step hit's milliseconds go, call by call; a scheduler's
 lookup against the chunks a tier stores, and what lookups keep in memory; a Redis load
-against the server's own pace. Notebook 03, "How the costs grow"."""
+against the server's own pace. Notebook 05, "How the costs grow"."""
 
 from __future__ import annotations
 
