@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "go to jupyter lab as they are, written --Name=value, e.g. "
                                      "--ServerApp.shutdown_no_activity_timeout=3600.")
     lab.add_argument("notebook", nargs="?", default=None,
-                     help="open just this notebook, e.g. 05 or 05_extend_kvlab.ipynb "
+                     help="open just this notebook, e.g. 07 or 07_extend_kvlab.ipynb "
                           "(default: the tabs JupyterLab saved last)")
     lab.add_argument("--port", type=int, default=None, help="default: a free one")
     lab.add_argument("--token", default=None, help="default: a random one, printed in the URL; '' turns the login off")

@@ -1,17 +1,19 @@
 """What one hit costs the connector, measured in this process (kvlab.testing.driver drives
 it as vLLM would): where a whole-step hit's milliseconds go, call by call; a scheduler's
 lookup against the chunks a tier stores, and what lookups keep in memory; a Redis load
-against the server's own pace. Notebook 03, "How the costs grow"."""
+against the server's own pace. Notebook 05, "How the costs grow"."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import shutil
 import statistics
 import time
 import tracemalloc
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -26,6 +28,22 @@ SCHEDULER_CALLS = ("get_num_new_matched_tokens", "update_state_after_alloc", "bu
                    "update_connector_output", "request_finished")
 WORKER_CALLS = ("handle_preemptions", "bind_connector_metadata", "start_load_kv", "wait_for_save", "get_finished",
                 "build_connector_worker_meta", "get_block_ids_with_load_errors", "clear_connector_metadata")
+
+
+@contextlib.contextmanager
+def without_auth_key_advice() -> Iterator[None]:
+    """Without the connector's advice to a deployment that runs a remote tier with no
+    ``auth_key`` (a warning every notebook would print): a measurement of the tier's own pace
+    runs without one on purpose, as a MAC would add its own cost."""
+    def other(record: logging.LogRecord) -> bool:
+        return "set auth_key" not in record.getMessage()
+
+    logger = logging.getLogger("kvlab.connector")
+    logger.addFilter(other)
+    try:
+        yield
+    finally:
+        logger.removeFilter(other)
 
 
 def overhead_profile(geometry: ModelGeometry, tokens: int = 2000, repeats: int = 15, method: str = "auto",
@@ -46,7 +64,8 @@ def overhead_profile(geometry: ModelGeometry, tokens: int = 2000, repeats: int =
     reset_stores()  # a store of an earlier run in this process (another Redis server) is not this one's
     blocks = tokens // geometry.block_size + 1
     extra = {"tiers": ["memory"], **(extra or {}), "method": method}
-    scheduler, worker = connector_pair(geometry, 2 * blocks + 2, extra)
+    with without_auth_key_advice():
+        scheduler, worker = connector_pair(geometry, 2 * blocks + 2, extra)
     register(worker, f"vllm>=0.29 {layout}", geometry, 2 * blocks + 2)
     settle(scheduler, worker)
     prompt = [(13 * i + 5) % 30000 for i in range(tokens)]

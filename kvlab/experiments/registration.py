@@ -4,7 +4,6 @@ count segments and time both. Imports vLLM."""
 
 from __future__ import annotations
 
-import logging
 import statistics
 
 from kvlab.cache.geometry import ModelGeometry
@@ -22,8 +21,6 @@ def registration_costs(geometry: ModelGeometry, tokens: int, ways: list[str], re
         raise ValueError(f"tokens must cover at least one block of {geometry.block_size}, got {tokens}")
     num_blocks = 2 * blocks + 2
     rows = []
-    # every connector built here would log vLLM's "this API is experimental" warning
-    logging.getLogger("vllm.distributed.kv_transfer.kv_connector.v1.base").setLevel(logging.ERROR)
     for how in ways:
         samples = []
         for _ in range(repeats):

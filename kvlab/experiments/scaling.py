@@ -1,4 +1,4 @@
-"""How the connector's costs grow with what grows in serving (notebook 03, "How the costs
+"""How the connector's costs grow with what grows in serving (notebook 05, "How the costs
 grow"), each measured in one run on this machine: time to first token over the prefix-hit
 floor against prompt length, from each tier and through vLLM's ExampleConnector, beside the
 STREAM-style copy of the same bytes (the physical bound); and throughput and TTFT

@@ -1,5 +1,6 @@
 """Figures, one module per notebook (atlas and segment_figures: 01, transfer and gpu_model: 02,
-connector and scaling: 03, accuracy: 04) plus what they share (common) and how they are saved
+connector: 03 and 04, scaling: 04 and 05, accuracy: 06), the diagrams of the connector's
+machinery (machinery: 01 and 03) plus what they share (common) and how they are saved
 (saving); drawn from kvlab's data and committed results, never from a
 notebook's private state, so every one regenerates with the same call."""
 
@@ -14,6 +15,7 @@ from kvlab.plotting.atlas import (
 from kvlab.plotting.common import human_bytes
 from kvlab.plotting.gpu_model import answer_markdown, citations, fit_markdown, layout_question_figure, published_figure
 from kvlab.plotting.hybrid_maps import hybrid_map
+from kvlab.plotting.machinery import prefix_hit_figure, step_calls_figure
 from kvlab.plotting.saving import save_figure
 from kvlab.plotting.connector import (
     deployed_figure,
@@ -46,4 +48,5 @@ __all__ = [
     "registration_figure", "engine_layouts_figure", "deployed_figure", "network_tier_figure", "accuracy_figure", "comparison_figure",
     "costs_by_length_figure", "lookup_scaling_figure", "concurrency_figure", "scale_prediction_figure",
     "published_figure", "layout_question_figure", "citations", "fit_markdown", "answer_markdown",
+    "prefix_hit_figure", "step_calls_figure",
 ]

@@ -1,4 +1,4 @@
-"""Figures of notebook 04: accuracy against the control and connectors side by side (its KV
+"""Figures of notebook 06: accuracy against the control and connectors side by side (its KV
 round trips are a table: every cell "n/n" says one thing). Reuse paths and connectors keep
 their colours (common.PATH_COLOURS)."""
 

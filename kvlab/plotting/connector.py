@@ -1,4 +1,4 @@
-"""Figures of notebook 03: the layerwise hooks' timeline, time to first token, per-layer
+"""Figures of notebooks 03 to 05: the layerwise hooks' timeline, time to first token, per-layer
 against cross-layer hand-over, the connector as vLLM deploys it, and a prefix through a
 network tier per layout. Connectors keep their paths' colours (common.PATH_COLOURS)."""
 

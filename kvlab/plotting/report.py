@@ -5,9 +5,10 @@ page still works when moved or served from GitHub Pages.
 
 Code inputs are folded into a <details> element: the page is read for its prose, tables and
 figures, and the code (the notebooks' calls into kvlab) stays one click away. Papermill's
-injected-parameters cell, stderr log lines (font fallbacks, backend notices) and widget
-outputs (tqdm bars, which need a live kernel and whose text fallback is the bar's first
-frame) are left out. Error outputs are never shown: a banner at the top names them.
+injected-parameters cell (of copies made before kvlab wrote the parameters into the notebook's
+own cell), stderr streams and widget outputs (tqdm bars, which need a live kernel and whose
+text fallback is the bar's first frame) are left out. Error and stderr outputs are never
+shown: a banner at the top names them (the tests allow neither).
 
 Every image is a figure with a caption and alt text: those its notebook recorded with it
 (kvlab.plotting.saving.save_figure shows each figure it saves so); a banner names an image
@@ -123,6 +124,26 @@ class ExecutedNotebook:
         """``In [n]: an image without alt text`` for every image recorded without a description."""
         return [f"In [{count}]: an image without alt text" for count, described in self.image_outputs()
                 if not described.get("alt")]
+
+    def stderr(self) -> list[str]:
+        """``In [n]: first line`` for every stderr stream the notebook holds: a log line or a
+        warning that the run should have captured (the tests allow none)."""
+        return [f"In [{cell.get('execution_count')}]: {output.text.strip().splitlines()[0][:200] if output.text.strip() else ''}"
+                for cell in self.node.cells for output in cell.get("outputs", [])
+                if output.output_type == "stream" and output.name == "stderr"]
+
+    def hygiene(self) -> list[str]:
+        """What a clean executed notebook holds none of: an error, a stderr stream, a second
+        parameters cell (papermill's injected one), a headline still waiting for its takeaways."""
+        from kvlab.plotting.story import Headline
+
+        tagged = [cell for cell in self.node.cells
+                  if {"parameters", "injected-parameters"} & set(cell.metadata.get("tags", []))]
+        waiting = [cell for cell in self.node.cells for output in cell.get("outputs", [])
+                   if Headline.WAITING in str(output.get("data", {}).get("text/markdown", ""))]
+        return (self.errors() + [f"stderr {line}" for line in self.stderr()]
+                + ([f"{len(tagged)} parameters cells"] if len(tagged) > 1 else [])
+                + ["a headline never filled in"] * len(waiting))
 
     def errors(self) -> list[str]:
         """``In [n]: EName: message`` for every error output the notebook holds."""
@@ -252,6 +273,7 @@ def _header(notebooks: list[ExecutedNotebook], results_dir: Path,
     errors = [(n, error) for n in notebooks for error in n.errors()]
     missing = [(n, cell) for n in notebooks for cell in n.missing_figures()]
     undescribed = [(n, cell) for n in notebooks for cell in n.undescribed_images()]
+    stderr = [(n, line) for n in notebooks for line in n.stderr()]
     banner = ""
     if errors:
         items = "".join(f"<li><a href='#{n.path.stem}'>{escape(n.path.name)}</a> {escape(e)}</li>" for n, e in errors)
@@ -267,6 +289,10 @@ def _header(notebooks: list[ExecutedNotebook], results_dir: Path,
         banner += (f"<div class='kvlab-errors' role='alert'><h2>{len(undescribed)} image(s) without a description"
                    f"</h2><p>A figure saved with kvlab.plotting.save_figure is shown with its caption and alt text."
                    f"</p><ul>{items}</ul></div>")
+    if stderr:
+        items = "".join(f"<li><a href='#{n.path.stem}'>{escape(n.path.name)}</a> {escape(c)}</li>" for n, c in stderr)
+        banner += (f"<div class='kvlab-errors' role='alert'><h2>{len(stderr)} stderr output(s)</h2><p>Log lines and "
+                   f"warnings a cell let through, left out of the page below.</p><ul>{items}</ul></div>")
     profiles = sorted({n.profile for n in notebooks})
     starts = [n.started for n in notebooks if n.started]
     ends = [n.ended for n in notebooks if n.ended]

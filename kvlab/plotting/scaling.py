@@ -1,4 +1,4 @@
-"""Figures of notebook 03's "How the costs grow" (kvlab.experiments.scaling): a hit's
+"""Figures of notebook 05's "How the costs grow" and notebook 04's scale model (kvlab.experiments.scaling): a hit's
 overhead against prompt length beside the STREAM-style copy of its bytes, a lookup against
 the chunks a tier stores, serving against concurrent requests, and a store's measured
 per-object and per-byte costs scaled to many hosts (kvlab.experiments.scale_model)."""

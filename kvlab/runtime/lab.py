@@ -190,8 +190,8 @@ def _digest(path: Path) -> str:
 
 def find_notebook(folder: str | Path, name: str) -> str:
     """The notebook of ``folder`` that ``name`` means: its file name, with or without
-    ``.ipynb`` or a folder in front (``notebooks/05_extend_kvlab.ipynb``), or the unique one
-    it starts (``05``)."""
+    ``.ipynb`` or a folder in front (``notebooks/07_extend_kvlab.ipynb``), or the unique one
+    it starts (``07``)."""
     wanted = Path(name).name.removesuffix(".ipynb")
     names = sorted(path.name for path in Path(folder).glob("*.ipynb"))
     matches = [n for n in names if n == f"{wanted}.ipynb"] or [n for n in names if n.startswith(wanted)]

@@ -3,12 +3,15 @@ and the tests (the quick profile)."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Sequence
+
+import nbformat
 
 from kvlab.runtime.progress import headless_progress
 
@@ -17,13 +20,18 @@ NOTEBOOKS_DIR = Path(__file__).resolve().parents[2] / "notebooks"
 # minutes), paper (every sweep in full: over an hour on 2 cores).
 PROFILES = ("quick", "standard", "paper")
 # Minutes each notebook took measuring on a 2-core Intel Xeon: the estimate make run prints
-# before a notebook has run here (after that, its own last time).
+# before a notebook has run here (after that, its own last time). None yet for the notebooks
+# made when issue 44 split notebook 03 (2.3 min standard, 21 paper, all three together).
 REFERENCE_MINUTES = {
-    "standard": {"01_kv_layouts": 0.6, "02_transfer_timing": 1.6, "03_connector_and_hooks": 2.3, "04_accuracy": 2.6,
-                 "05_extend_kvlab": 0.3},
-    "paper": {"01_kv_layouts": 0.5, "02_transfer_timing": 4, "03_connector_and_hooks": 21, "04_accuracy": 44,
-              "05_extend_kvlab": 0.7},
+    "standard": {"01_kv_layouts": 0.6, "02_transfer_timing": 1.6, "06_accuracy": 2.6, "07_extend_kvlab": 0.3},
+    "paper": {"01_kv_layouts": 0.5, "02_transfer_timing": 4, "06_accuracy": 44, "07_extend_kvlab": 0.7},
 }
+# The notebooks are numbered as a course; their results and figures keep the stems papers cite
+# (data/results/03_ttft-*.jsonl, data/figures/04_accuracy.png): each notebook's stem prefix.
+DATA_PREFIX = {"01_kv_layouts": "01", "02_transfer_timing": "02", "03_connector_and_hooks": "03",
+               "04_cross_layer_in_the_engine": "03", "05_deployment_and_costs": "03", "06_accuracy": "04",
+               "07_extend_kvlab": "05"}
+SOLUTIONS = "08_solutions"  # the exercises' solutions, each asserted: it measures nothing and saves no figure
 
 
 def check_profile(profile: str) -> str:
@@ -69,25 +77,53 @@ def run_notebooks(profile: str = "standard", only: Sequence[str] | None = None, 
         print(f"kvlab: notebook {number}/{len(paths)} {path.stem} ({profile} profile"
               f"{'' if measure else ', from the committed results'}{estimate})", file=sys.stderr, flush=True)
         started = time.perf_counter()
+        parameters = declared_only(path, {
+            "profile": profile,
+            "figures_dir": os.path.relpath(out / "figures", path.parent),
+            "results_dir": os.path.relpath(out / "results", path.parent),
+            "interactive": False,
+            "measure": measure,
+        })
+        nbformat.write(parameterized(path, parameters), target)
         with headless_progress():  # the saved copy would keep each bar's first frame
-            papermill.execute_notebook(
-                str(path),
-                str(target),
-                parameters=declared_only(path, {
-                    "profile": profile,
-                    "figures_dir": os.path.relpath(out / "figures", path.parent),
-                    "results_dir": os.path.relpath(out / "results", path.parent),
-                    "interactive": False,
-                    "measure": measure,
-                }),
-                cwd=str(path.parent),
-                kernel_name="python3",
-                progress_bar=True,
-            )
+            papermill.execute_notebook(str(target), str(target), cwd=str(path.parent), kernel_name="python3",
+                                       progress_bar=True)
+        executed_copy = nbformat.read(target, as_version=4)
+        executed_copy.metadata["papermill"]["input_path"] = str(path)
+        nbformat.write(executed_copy, target)
         executed.append(target)
         print(f"kvlab: {path.stem} done in {(time.perf_counter() - started) / 60:.1f} min "
               f"({(time.perf_counter() - began) / 60:.1f} min so far)", file=sys.stderr, flush=True)
     return executed
+
+
+def parameterized(path: Path, parameters: dict) -> nbformat.NotebookNode:
+    """The notebook at ``path`` with ``parameters`` written into its parameters cell in place
+    of their defaults (each line's comment kept) and recorded as papermill records them: the
+    executed copy shows the one cell it ran with (papermill would add a second after it)."""
+    import papermill
+
+    notebook = nbformat.read(path, as_version=4)
+    notebook.metadata["papermill"] = {"parameters": parameters, "default_parameters": {},
+                                      "environment_variables": {}, "version": papermill.__version__}
+    cells = [cell for cell in notebook.cells if "parameters" in cell.metadata.get("tags", ())]
+    if not cells and not parameters:  # a notebook that takes none (the solutions)
+        return notebook
+    if len(cells) != 1:
+        raise ValueError(f"{path.name} has {len(cells)} cells tagged 'parameters', not one")
+    lines, written = cells[0].source.split("\n"), set()
+    for node in ast.parse(cells[0].source).body:
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                and node.targets[0].id in parameters and node.value.lineno == node.value.end_lineno):
+            line, value = lines[node.lineno - 1], parameters[node.targets[0].id]
+            literal = json.dumps(value) if isinstance(value, str) else repr(value)
+            lines[node.lineno - 1] = line[:node.value.col_offset] + literal + line[node.value.end_col_offset:]
+            written.add(node.targets[0].id)
+    if written != set(parameters):
+        raise ValueError(f"{path.name}'s parameters cell sets {sorted(set(parameters) - written)} other than as "
+                         "one line each (name = value)")
+    cells[0].source = "\n".join(lines)
+    return notebook
 
 
 def declared_only(path: Path, parameters: dict) -> dict:

@@ -8,6 +8,7 @@ tensor, per-layer tensors or Ascend tuples otherwise). Imports vLLM."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, replace
 from weakref import WeakKeyDictionary
@@ -29,6 +30,11 @@ from kvlab.cache.layouts import GENERATIONS
 from kvlab.connector.connector import KVLabConnector
 from kvlab.connector.messages import KVLabMetadata
 from kvlab.connector.vllm_views import vllm_hybrid, vllm_layer_views
+
+
+# vLLM's base class warns that its connector API is experimental each time one is built: a
+# harness that builds one per measurement would print it into every notebook cell it runs in
+logging.getLogger("vllm.distributed.kv_transfer.kv_connector.v1.base").setLevel(logging.ERROR)
 
 
 def stand_in_config(geometry: ModelGeometry, extra: dict | None = None, model: str | None = None,

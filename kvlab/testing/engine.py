@@ -80,6 +80,7 @@ class EngineSpec:
     max_num_seqs: int | None = None
     kv_cache_layout: str | None = None  # VLLM_KV_CACHE_LAYOUT: one of vLLM's KVCacheLayout names
     kvlab_backend: bool = True  # False: VLLM_PLUGINS="" keeps kvlab's CPU attention backend out (plain CPU_ATTN)
+    record_calls: bool = False  # each row gets the connector calls of its phase ("connector_calls", call_recorder)
 
     def environment(self) -> dict[str, str]:
         """What the engine process needs on top of the pinned threads: vLLM's default
@@ -241,6 +242,8 @@ def _child(job_path: str, out_path: str) -> None:
     llm.collective_rpc(worker_calls.start_clock, args=(transfer,))  # in each worker, where the connector runs
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], _params(spec, None), use_tqdm=False)  # warm-up, no shared prefix
     llm.collective_rpc(worker_calls.read_clock)
+    if spec.record_calls:
+        llm.collective_rpc(worker_calls.start_recording)
     result: dict[str, Any] = {"phases": {}}
     counted: dict[str, float] = {}  # KVLabConnector's counters so far (each row gets its own share)
     for phase, indices in _schedule(spec.phases, len(prompts), spec.batch):
@@ -332,6 +335,8 @@ def _after_phase(llm: Any, spec: EngineSpec, phase: str, counted: dict[str, floa
         llm.collective_rpc(worker_calls.undo_damage)
     spent = llm.collective_rpc(worker_calls.read_clock)[0]
     spent["worker_rss_mib"] = llm.collective_rpc(worker_calls.resident_mib)[0]
+    if spec.record_calls:
+        spent["connector_calls"] = llm.collective_rpc(worker_calls.read_recording)[0]
     if spec.connector == "kvlab":
         ours = llm.collective_rpc(worker_calls.connector_stats)[0].get(spec.extra.get("store_name", "default"), {})
         now = {k: v for k, v in ours.items() if isinstance(v, (int, float))}

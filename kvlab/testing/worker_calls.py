@@ -68,6 +68,7 @@ class ConnectorClock:
 # functions, so what one call starts the next one finds here.
 _CLOCK = ConnectorClock()
 _UNDO: list[Callable[[], None]] = []
+_RECORDER: list[Any] = []  # the call recorder, once started
 
 
 def start_clock(worker: Any, transfer: dict | None) -> None:
@@ -78,6 +79,23 @@ def start_clock(worker: Any, transfer: dict | None) -> None:
 def read_clock(worker: Any) -> dict[str, float]:
     """The seconds since the last read."""
     return _CLOCK.read()
+
+
+def start_recording(worker: Any) -> None:
+    """Record KVLabConnector's calls of a step from now on, both sides (vLLM runs the scheduler
+    side in the process of a single worker), with the copies each makes (kvlab.testing.call_recorder)."""
+    from kvlab.connector.step_order import STEP_CALL_NAMES
+    from kvlab.testing.call_recorder import CallRecorder
+
+    if not _RECORDER:
+        _RECORDER.append(CallRecorder(STEP_CALL_NAMES))
+        _RECORDER[0].install()
+    _RECORDER[0].read()
+
+
+def read_recording(worker: Any) -> list[dict]:
+    """The calls and copies recorded since the last read."""
+    return _RECORDER[0].read() if _RECORDER else []
 
 
 def kv_cache_layout(worker: Any) -> dict[str, str | None]:

@@ -3,6 +3,7 @@ caches share memory, integer views that keep copies bitwise, and CPU copy thread
 
 from __future__ import annotations
 
+import contextvars
 import functools
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
@@ -60,13 +61,15 @@ def run_spread(jobs: list[Callable[[], None]], device: torch.device) -> None:
 
 
 def in_callers_mode(fn: Callable[[], Any]) -> Callable[[], Any]:
-    """``fn`` for another thread, under the caller's inference mode: an engine's KV cache
-    (made under torch.inference_mode) may only be written in that mode."""
+    """``fn`` for another thread, under the caller's inference mode (an engine's KV cache,
+    made under torch.inference_mode, may only be written in that mode) and in a copy of the
+    caller's context variables (a trace or recorder active in the caller sees the copy)."""
     inference = torch.is_inference_mode_enabled()
+    context = contextvars.copy_context()
 
     def run() -> Any:
         with torch.inference_mode(inference):
-            return fn()
+            return context.copy().run(fn)
 
     return run
 

@@ -1,5 +1,5 @@
 """How the costs grow (kvlab.experiments.scaling and hit_costs): what each measurement
-reports, on small sizes; the timings themselves are notebook 03's, not asserted here."""
+reports, on small sizes; the timings themselves are notebook 05's, not asserted here."""
 
 from __future__ import annotations
 
@@ -20,6 +20,20 @@ def test_a_hits_profile_names_every_call_and_the_copy_within_the_load() -> None:
     assert 0 < rows["copy"]["ms"] <= rows["start_load_kv"]["ms"] <= rows["total"]["ms"]
     assert rows["total"]["kv_bytes"] == 240 * TINY.token_bytes, "15 full blocks loaded, the last token computed"
     assert rows["STREAM copy of the loaded bytes"]["ms"] > 0
+
+
+def test_a_measurement_without_an_auth_key_drops_only_that_advice(caplog) -> None:
+    """A profile through a remote tier runs without an auth_key on purpose: the connector's
+    advice to deployments is not printed into a notebook, and every other warning still is."""
+    import logging
+
+    logger = logging.getLogger("kvlab.connector")
+    with caplog.at_level(logging.WARNING, logger="kvlab.connector"), hit_costs.without_auth_key_advice():
+        logger.warning("KVLabConnector: the redis tier takes chunks ...; set auth_key (\"file:/path\")")
+        logger.warning("KVLabConnector: a load failed")
+    logger.warning("KVLabConnector: the redis tier ...; set auth_key")
+    assert [r.getMessage() for r in caplog.records] == ["KVLabConnector: a load failed",
+                                                         "KVLabConnector: the redis tier ...; set auth_key"]
 
 
 def test_lookups_are_timed_at_each_size_and_find_the_whole_prompt(tmp_path) -> None:

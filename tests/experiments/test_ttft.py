@@ -98,7 +98,7 @@ def test_engine_settings_that_cannot_work_are_refused_before_any_engine(tmp_path
 
 
 def test_book_passages_from_a_starting_token(smollm2: str) -> None:
-    """Notebook 03's decode prompts: passages further into the book, ``stride`` apart."""
+    """Notebook 05's decode prompts: passages further into the book, ``stride`` apart."""
     from transformers import AutoTokenizer
 
     from kvlab.experiments.tasks import book_prompts, book_text

@@ -1,6 +1,7 @@
 """kvlab's CPU attention backend inside vLLM's CPU engine (SmolLM2-135M, fp32): the seed's
 cross-layer request granted by vLLM's own allocator, the Ascend-style hooks called from
-the attention forward, layerwise loads and saves, each layout and mode from each tier.
+the attention forward, layerwise loads and saves, each layout and mode from each tier; and
+each mode's connector calls, recorded, as the machinery diagrams draw them.
 
 Every engine's cold run is bitwise plain CPU_ATTN's (an engine with kvlab's plugin turned
 off: the same kernels, so the same bits); every connector hit is bitwise vLLM's own prefix
@@ -16,6 +17,8 @@ from conftest import bitwise, hits, loadable
 
 pytest.importorskip("vllm")
 
+from kvlab.connector.step_order import step_calls  # noqa: E402
+from kvlab.testing.call_recorder import forward_steps, recorded_calls  # noqa: E402
 from kvlab.testing.engine import EngineSpec, run_engine  # noqa: E402
 
 # starts engines; one of the extended engine suite (`make test-extended`, CI runs it)
@@ -65,7 +68,7 @@ def test_each_layout_and_mode_serves_hits_bitwise(smollm2, prompts, plain, tmp_p
     elif tier != "memory":
         extra.update({"tiers": ["memory", tier], f"{tier}_path": str(tmp_path / tier)})
     spec = EngineSpec(smollm2, "kvlab", extra, dtype="float32", max_tokens=8, prefix_caching=True,
-                      multiprocessing=processes, phases=CONTROLLED + then)
+                      multiprocessing=processes, phases=CONTROLLED + then, record_calls=True)
     result = run_engine(spec, prompts)
     stats = result["connector"]["default"]
     assert result["kv_cache"] == {"layout": layout, "cpu_attention": BACKEND}
@@ -84,3 +87,10 @@ def test_each_layout_and_mode_serves_hits_bitwise(smollm2, prompts, plain, tmp_p
         assert saved[SHARED] >= blocks and saved["floor"] == 0, "a shared tier's hit is saved into memory in its own phase"
     if mode != "whole-step":
         assert stats["save_segments"] == stats["saved_blocks"] * 30, "saved layer by layer"
+    # the machinery diagrams' data (kvlab.connector.step_order) is what this engine did: the prefill
+    # that stored the prompt, and the one that loaded it, call by call with every copy
+    for phase, loads in (("cold", False), ("warm", True)):
+        recorded = recorded_calls(forward_steps(result["phases"][phase][0]["connector_calls"])[0])
+        sides = {call.side for call in recorded}  # in vLLM's default processes the scheduler side runs apart
+        assert sides == ({"worker"} if processes else {"scheduler", "worker"}), phase
+        assert recorded == [c for c in step_calls(mode, loads=loads, saves=not loads) if c.side in sides], phase

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("engine-accuracy")]
 
 # The README's accuracy example is this module's check: run as written, then checked further.
 # 50 problems: damage still moves the score by 5+ standard errors, and the 4 engines take about 3
-# minutes on 2 busy cores (notebook 04's paper profile runs 200).
+# minutes on 2 busy cores (notebook 06's paper profile runs 200).
 PROBLEMS = 50
 
 

@@ -1,6 +1,8 @@
 """Every notebook runs headless in the quick profile (what CI runs), writing its figures and
-showing each one it saves (in the executed notebook and its static HTML export), and redraws
-them from the committed results alone (``make figures``), byte for byte."""
+showing each one it saves (in the executed notebook and its static HTML export), clean: no
+error and no stderr output, its parameters cell once, showing the values it ran with, and its
+headline filled in by its takeaways; and redraws them from the committed results alone
+(``make figures``), byte for byte."""
 
 import pytest
 from conftest import committed_data
@@ -8,7 +10,7 @@ from conftest import committed_data
 from nbconvert import HTMLExporter
 
 from kvlab.plotting.report import ExecutedNotebook, read_executed
-from kvlab.runtime.notebooks import notebook_paths, run_notebooks
+from kvlab.runtime.notebooks import DATA_PREFIX, SOLUTIONS, notebook_paths, run_notebooks
 
 pytestmark = pytest.mark.slow  # starts engines, servers or notebook kernels
 
@@ -19,9 +21,12 @@ def test_notebook_runs(path, tmp_path):
 
     (executed,) = run_notebooks(profile="quick", only=[path.stem], out=tmp_path)
     notebook = nbformat.read(executed, as_version=4)
-    errors = [o for c in notebook.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
-    assert not errors
-    assert list((tmp_path / "figures").glob(f"{path.stem[:2]}_*.png"))
+    assert ExecutedNotebook(executed, notebook).hygiene() == []
+    if path.stem == SOLUTIONS:
+        return  # it asserts its answers and draws nothing
+    assert list((tmp_path / "figures").glob(f"{DATA_PREFIX[path.stem]}_*.png"))
+    (parameters,) = [cell for cell in notebook.cells if "parameters" in cell.metadata.get("tags", [])]
+    assert 'profile = "quick"' in parameters.source, "the cell shows the values the notebook ran with"
     shown = ExecutedNotebook(executed, notebook)
     assert not shown.missing_figures(), "a cell saves a figure it does not show"
     # a static export (nbconvert's HTML, as `jupyter nbconvert --to html` writes it) keeps every image
@@ -29,13 +34,14 @@ def test_notebook_runs(path, tmp_path):
     assert html.count("<img") >= shown.images() > 0
 
 
-@pytest.mark.parametrize("notebook, figures", [("02_transfer_timing", 9), ("03_connector_and_hooks", 12),
-                                               ("04_accuracy", 3)])
+@pytest.mark.parametrize("notebook, figures", [("02_transfer_timing", 9), ("03_connector_and_hooks", 5),
+                                               ("04_cross_layer_in_the_engine", 5), ("05_deployment_and_costs", 4),
+                                               ("06_accuracy", 3)])
 def test_figures_redraw_from_committed_results(tmp_path, notebook, figures):
     """`make figures`: a measuring notebook measures nothing and draws every figure from data/results."""
     import shutil
 
-    committed = sorted((committed_data() / "results").glob(f"{notebook[:2]}_*.jsonl"))
+    committed = sorted((committed_data() / "results").glob(f"{DATA_PREFIX[notebook]}_*.jsonl"))
     assert committed, f"the committed results of {notebook} are missing"
     (tmp_path / "results").mkdir()
     for path in committed:
@@ -44,7 +50,7 @@ def test_figures_redraw_from_committed_results(tmp_path, notebook, figures):
     assert not read_executed(executed.parent)[0].missing_figures()
     assert sorted(p.name for p in (tmp_path / "results").iterdir()) == sorted(p.name for p in committed)
     for fmt in ("png", "svg", "pdf"):  # PNG to read, SVG and PDF (fonts embedded) for papers
-        assert len(list((tmp_path / "figures").glob(f"{notebook[:2]}_*.{fmt}"))) == figures, fmt
+        assert len(list((tmp_path / "figures").glob(f"*.{fmt}"))) == figures, fmt
     # the committed figures are these bytes: make figures redraws them identically, on any machine
     changed = [p.name for p in sorted((tmp_path / "figures").iterdir())
                if p.read_bytes() != (committed_data() / "figures" / p.name).read_bytes()]

@@ -33,7 +33,7 @@ from kvlab.plotting import memory_map, miniature, network_tier_figure, ttft_figu
 
 @contextlib.contextmanager
 def notebook_05_layout():
-    """BNLHC registered as notebook 05 registers it, while the block runs."""
+    """BNLHC registered as notebook 07 registers it, while the block runs."""
     register_layout(Layout(name="BNLHC", family="a notebook's idea", order="BNLHSD", view_order="BHNSD",
                            view_shape=("B", "H", "N", "SD"), shape_text="per-layer [B, H, N, C] views",
                            note="cross-layer and token-major", requires=Holds.KV))
@@ -43,7 +43,7 @@ def notebook_05_layout():
         unregister_layout("BNLHC")
 
 
-# every memory map notebooks 01 and 05 draw, as (layouts, model, memory_map's other arguments)
+# every memory map notebooks 01 and 07 draw, as (layouts, model, memory_map's other arguments)
 MAP_CALLS = {
     "memory_map_vllm": (["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BHLNC"], LLAMA, {}),
     "memory_map_generations": (["flash_attn_v0.12", "flash_attn_v0.12_cross", "flash_attn_v0.26", "CPU_LBHNC"],
@@ -65,7 +65,7 @@ def draw_map(name: str, **kw) -> plt.Figure:
 MAPS = {name: functools.partial(draw_map, name) for name in MAP_CALLS if name != "memory_map_vllm"}  # that one: FIGURES
 
 def beyond(store: str, name: str):
-    """Notebook 03's figure of one store beyond Redis (03_beyond_mooncake, 03_beyond_cluster)."""
+    """Notebook 04's figure of one store beyond Redis (03_beyond_mooncake, 03_beyond_cluster)."""
     def draw(**kw):
         mine = [r for r in committed("03_beyond") if r["kind"] == "prefix" and r["store"] == store]
         return network_tier_figure(mine, f"{mine[0]['model']}: a {mine[0]['tokens']}-token prefix through {name} "

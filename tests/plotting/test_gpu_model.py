@@ -55,7 +55,7 @@ def test_every_mechanism_is_answered_on_every_machine(mechanism):
 
 
 def test_the_answer_for_one_model_folder_at_its_block_size():
-    """Notebook 03's question: one model's geometry (SmolLM2 at block size 32: 24 KiB pages, all
+    """Notebook 04's question: one model's geometry (SmolLM2 at block size 32: 24 KiB pages, all
     under the DMA's small-page cliff), one chunk size."""
     question = gpu_costmodel.layout_question(PARAMS, EVALUATION, models=[preset("smollm2-135m", block_size=32)],
                                              tokens=(256,))

@@ -84,7 +84,7 @@ def gpu_question() -> list[dict]:
 
 
 def accuracy_tables() -> tuple[list[dict], list[dict], list[dict]]:
-    """The three tables notebook 04 draws its accuracy figure from."""
+    """The three tables notebook 06 draws its accuracy figure from."""
     import pandas as pd
 
     from kvlab.experiments.engine_checks import against_control

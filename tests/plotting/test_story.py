@@ -153,3 +153,26 @@ def test_extension_takeaways_look_at_the_new_layout_and_method_only():
     assert exact.startswith("2 of 2 round trips")
     assert copies == "Moving 250 tokens: BLHNC 271 copies, BNLHC 16 copies."
     assert isinstance(extension_takeaways([], costs, "BNLHC", "index_put"), Takeaways)
+
+
+def test_the_new_notebooks_takeaways_read_their_committed_rows():
+    """Notebook 04's: a chunk's copies per layout in the engine and its objects in each store;
+    notebook 05's: each cost judged against its target. Each names the run it quotes."""
+    from kvlab.results import committed_results_dir, results_for
+
+    committed = committed_results_dir()
+    cross = story.cross_layer_takeaways(*(results_for(stem, committed) for stem in
+                                          ("03_engine_layouts", "03_network", "03_beyond")))
+    assert len(cross.points) == 4 and "240 copies per-layer and 8 cross-layer" in cross.points[0]
+    assert [p.split(",")[0] for p in cross.points[1:]] == [
+        "Stored as it lies in Redis", "Stored as it lies in Mooncake Store", "Stored as it lies in a Redis Cluster"]
+    deployed = story.deployment_takeaways(*(results_for(stem, committed) for stem in
+                                            ("03_costs_by_length", "03_lookup_scaling", "03_concurrency")))
+    assert len(deployed.points) == 3 and all("target" in point for point in deployed.points)
+    with pytest.raises(ValueError, match="no takeaways"):
+        story.cross_layer_takeaways([], [], [])
+
+
+def test_a_headline_outside_a_notebook_shows_nothing_and_passes_its_takeaways_on():
+    points = story.takeaways("one point")
+    assert story.Headline().show(points) is points

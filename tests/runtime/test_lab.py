@@ -171,11 +171,11 @@ def api(url: str, token: str, method: str, path: str, body: object = None) -> di
 
 @pytest.mark.slow
 def test_a_notebook_saved_in_the_lab_leaves_the_committed_one_alone(tmp_path):
-    """``python -m kvlab lab 05`` serves working copies: a notebook saved with its outputs (as
+    """``python -m kvlab lab 07`` serves working copies: a notebook saved with its outputs (as
     JupyterLab saves one that ran, PUT /api/contents) lands in lab/, and git sees notebooks/
     unchanged, byte for byte; the committed notebook is out of the server's reach."""
     pytest.importorskip("jupyterlab", reason="JupyterLab is not installed")
-    notebook = "05_extend_kvlab.ipynb"
+    notebook = "07_extend_kvlab.ipynb"
     (tmp_path / "notebooks").mkdir()
     shutil.copy(NOTEBOOKS_DIR / notebook, tmp_path / "notebooks" / notebook)
     git = ["git", "-C", str(tmp_path), "-c", "user.name=kvlab", "-c", "user.email=kvlab@localhost"]
@@ -183,7 +183,7 @@ def test_a_notebook_saved_in_the_lab_leaves_the_committed_one_alone(tmp_path):
         subprocess.run(git + step, check=True)
     original = (tmp_path / "notebooks" / notebook).read_bytes()
 
-    command, url, token, page = lab_command(tmp_path, "05")
+    command, url, token, page = lab_command(tmp_path, "07")
     try:
         assert page == f"/lab/workspaces/kvlab/tree/{notebook}?reset"
         model = api(url, token, "GET", f"/api/contents/{notebook}")

@@ -109,3 +109,37 @@ def test_a_profile_names_its_choices():
         Profile("fast")
     with pytest.raises(ValueError, match=r"unknown cost 'huge'; choose from \['fast', 'engine', 'slow'\]"):
         Profile("quick").measures("huge")
+
+
+def test_the_parameters_cell_shows_the_values_a_run_gives(tmp_path):
+    """The executed copy keeps one parameters cell, with the values it ran with in place of the
+    defaults and each line's comment kept (papermill would add a second cell after it); papermill's
+    record of them stays for the report and `make run`'s estimates."""
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    from kvlab.runtime.notebooks import parameterized
+
+    (timing,) = notebook_paths(["02_transfer_timing"])
+    notebook = parameterized(timing, {"profile": "quick", "measure": False, "figures_dir": "out/figures"})
+    (cell,) = [c for c in notebook.cells if "parameters" in c.metadata.get("tags", [])]
+    assert 'profile = "quick"  # quick (the tests)' in cell.source and "measure = False  # False:" in cell.source
+    assert 'figures_dir = "out/figures"' in cell.source and 'results_dir = "../data/results"' in cell.source
+    assert notebook.metadata["papermill"]["parameters"] == {"profile": "quick", "measure": False,
+                                                            "figures_dir": "out/figures"}
+    assert not [c for c in notebook.cells if "injected-parameters" in c.metadata.get("tags", [])]
+    tuple_cell = tmp_path / "tuple.ipynb"
+    nbformat.write(new_notebook(cells=[new_code_cell('profile, measure = "standard", True',
+                                                     metadata={"tags": ["parameters"]})]), tuple_cell)
+    with pytest.raises(ValueError, match=r"sets \['profile'\] other than as one line each"):
+        parameterized(tuple_cell, {"profile": "quick"})
+    assert parameterized(tuple_cell, {}).cells[0].source == (
+        'profile, measure = "standard", True')
+
+
+def test_every_notebook_names_the_stems_of_its_results_and_figures():
+    """The notebooks are numbered as a course, their results and figures keep the stems papers
+    cite: each notebook but the solutions names its prefix."""
+    from kvlab.runtime.notebooks import DATA_PREFIX, SOLUTIONS
+
+    assert sorted([*DATA_PREFIX, SOLUTIONS]) == [path.stem for path in notebook_paths()]

@@ -119,10 +119,40 @@ def test_make_run_and_make_figures_end_with_the_report(tmp_path, monkeypatch):
 
     monkeypatch.setattr(papermill, "execute_notebook",
                         lambda source, target, **_: shutil.copy(COMMITTED / Path(source).name, target))
-    assert main(["notebooks", "--profile", "quick", "--only", "05_extend_kvlab", "--out", str(tmp_path),
+    assert main(["notebooks", "--profile", "quick", "--only", "07_extend_kvlab", "--out", str(tmp_path),
                  "--from-results"]) == 0
     page = BeautifulSoup((tmp_path / "report" / "index.html").read_text(), "html.parser")
-    assert [s["id"] for s in page.find_all("section")] == ["05_extend_kvlab"]
+    assert [s["id"] for s in page.find_all("section")] == ["07_extend_kvlab"]
+
+
+def test_the_committed_executed_notebooks_are_clean():
+    """What `make run` or `make figures` last committed (data/notebooks/: every section,
+    engines included, in the standard profile): no error, no stderr, one parameters cell, each
+    headline filled in; one copy per notebook."""
+    from kvlab.runtime.notebooks import notebook_paths
+
+    notebooks = read_executed(COMMITTED)
+    assert [n.path.stem for n in notebooks] == [path.stem for path in notebook_paths()]
+    assert {n.path.name: n.hygiene() for n in notebooks} == {n.path.name: [] for n in notebooks}
+
+
+def test_hygiene_sees_what_a_run_should_not_leave(tmp_path):
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_output
+
+    from kvlab.plotting.story import Headline
+
+    stderr = new_code_cell("tier = MooncakeTier(url)", execution_count=4, outputs=[
+        new_output("stream", name="stderr", text="I1207 05:21:18.175084  7954 client_metric.cpp:102] metrics\n")])
+    given = new_code_cell("profile = 'standard'", metadata={"tags": ["parameters"]})
+    injected = new_code_cell("profile = 'quick'", metadata={"tags": ["injected-parameters"]})
+    waiting = new_code_cell("headline = Headline()", outputs=[
+        new_output("display_data", data={"text/markdown": Headline.WAITING})])
+    (notebook,) = read_executed(_executed(tmp_path, given, injected, stderr, waiting))
+    assert notebook.hygiene() == ["stderr In [4]: I1207 05:21:18.175084  7954 client_metric.cpp:102] metrics",
+                                  "2 parameters cells", "a headline never filled in"]
+    banner = BeautifulSoup(write_report(tmp_path, tmp_path / "out").read_text(), "html.parser").get_text(" ")
+    assert "1 stderr output(s)" in banner and "client_metric.cpp" in banner
 
 
 def test_no_notebooks_is_a_clear_error(tmp_path):

@@ -49,6 +49,25 @@ def test_another_client_reads_what_one_wrote_bitwise(mooncake_store, request) ->
     assert reader.get("0" * 64) is None and reader.stats.mooncake_reads == 3
 
 
+def test_a_client_starts_and_stops_without_a_line_on_stderr(mooncake_store, request, capfd) -> None:
+    """Mooncake's client logs some twenty glog lines on every start, straight to file
+    descriptor 2 (a notebook showed each one, an "http=404 ... metadata not found" among them):
+    the tier keeps them, and tells them only when the start failed."""
+    import sys
+
+    from kvlab.store.tiers.mooncake import captured_stderr
+
+    client = tier(mooncake_store.url, request.node.name)
+    client.check()
+    client.close()
+    assert capfd.readouterr().err == ""
+    with captured_stderr() as lines:  # what it keeps and what it writes back
+        os.write(2, b"I1207 05:21:18.175084  7954 client_metric.cpp:102] Client metrics enabled\nnot glog\n")
+    sys.stderr.flush()
+    assert lines == ["I1207 05:21:18.175084  7954 client_metric.cpp:102] Client metrics enabled", "not glog"]
+    assert capfd.readouterr().err == "not glog\n"
+
+
 def test_a_store_reads_it_through_its_lookup_order(mooncake_store, request) -> None:
     url = f"{mooncake_store.url}&namespace={request.node.name}"
     KVStore(tiers={"mooncake": {"url": url}}).put(chunk(7))

@@ -200,7 +200,7 @@ def test_disk_path_that_is_a_file(tmp_path: Path) -> None:
 
 # ---- the disk tier at scale: start-up reads no chunk, a lookup never lists the folder, its
 # index is bounded (a cache: the files are the truth), writes list the folder only when the
-# budget needs it, and a scheduler reads headers, never payloads (costs: notebook 03).
+# budget needs it, and a scheduler reads headers, never payloads (costs: notebook 05).
 
 
 @pytest.fixture

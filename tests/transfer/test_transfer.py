@@ -667,3 +667,29 @@ def test_run_all_issues_memcpy_transfers_in_one_batch_bit_for_bit(layout: str, m
              for chunk, blocks in zip(chunks, targets)], workers=2)
     assert calls == [1]
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(cache.storage, expected.storage))
+
+
+def test_a_copy_thread_runs_in_the_callers_context():
+    """What a caller's context variables hold (a trace, a recorder) is what its copy threads
+    see, and a thread's own changes stay its own."""
+    import contextvars
+    import threading
+
+    from kvlab.transfer.common import in_callers_mode
+
+    marker = contextvars.ContextVar("marker", default="none")
+    seen = []
+    marker.set("the caller's")
+
+    def job():
+        seen.append(marker.get())
+        marker.set("the thread's")
+
+    run = in_callers_mode(job)
+    marker.set("changed after")
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert seen == ["the caller's", "the caller's"] and marker.get() == "changed after"

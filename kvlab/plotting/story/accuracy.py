@@ -1,4 +1,4 @@
-"""Notebook 04: round trips, generations and logprobs against recompute and the same-split
+"""Notebook 06: round trips, generations and logprobs against recompute and the same-split
 control, the task score, damaged KV, every architecture and the reference request, read
 from the rows on the page. A statement of equality is made only where the rows show it."""
 
@@ -150,7 +150,7 @@ def _seed_point(rows: list[dict]) -> str | None:
 
 def accuracy_takeaways(roundtrips: Any, generations: Any = None, task: Any = None, sensitivity: Any = None,
                        architectures: Any = None, seed_requests: Any = None) -> Takeaways:
-    """Notebook 04: bit-exact round trips (roundtrip_summary rows), generations identical to
+    """Notebook 06: bit-exact round trips (roundtrip_summary rows), generations identical to
     recompute per reuse path (against_control rows), the task score, how far the same KV
     damaged on purpose moved the generations, every architecture, and the reference request."""
     return takeaways(_roundtrip_point(as_records(roundtrips)), _generations_point(as_records(generations)),

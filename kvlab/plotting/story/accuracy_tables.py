@@ -1,4 +1,4 @@
-"""Notebook 04's tables for the pages rendered from result rows (docs/results.md): every
+"""Notebook 06's tables for the pages rendered from result rows (docs/results.md): every
 reuse path against recompute and the control, the same KV damaged on purpose, bf16, lm-eval,
 the connectors side by side, every architecture and the reference request. Counts and
 scores as the rows hold them; each table names whose run it shows."""
@@ -67,7 +67,7 @@ def damage_table(rows: Any) -> Prose:
 
 def differences_table(rows: Any) -> Prose:
     """bf16: recompute, vLLM's prefix hit and KVLab side by side, and whether vLLM's
-    batch-invariant mode could run here (rows of notebook 04's engine differences)."""
+    batch-invariant mode could run here (rows of notebook 06's engine differences)."""
     rows = as_records(rows)
     generations = [r for r in rows if r.get("table") == "generations"]
     body = [[r["path"], f"{r['identical']:,} of {r['prompts']:,}", f"{r['identical_to_control']:,}", _diffs(r)]

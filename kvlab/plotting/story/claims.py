@@ -33,6 +33,28 @@ class Takeaways:
         return self.markdown()
 
 
+class Headline:
+    """A notebook's headline near its top, filled in by its takeaways cell once the notebook
+    has run to its end: a reader meets the result first, read from the same run's rows as
+    the takeaways below (in a notebook; elsewhere it shows nothing)."""
+
+    WAITING = "*The headline of this run appears here once the notebook has run to its end (its takeaways).*"
+
+    def __init__(self) -> None:
+        from IPython.display import Markdown, display
+
+        self._handle = display(Markdown(self.WAITING), display_id=True)
+
+    def show(self, points: Takeaways) -> Takeaways:
+        """Show ``points`` in the headline's place as well; returns them, to be shown where called."""
+        from IPython.display import Markdown
+
+        if self._handle is not None:
+            self._handle.update(Markdown(f"**This run's headline** (read from its rows, as the takeaways at the end "
+                                         f"are):\n\n{points.markdown()}"))
+        return points
+
+
 def takeaways(*points: str | None) -> Takeaways:
     """Takeaways from ready-made points; a None point (its rows were missing) is left out."""
     return Takeaways(tuple(point for point in points if point))

@@ -1,6 +1,6 @@
-"""Notebook 03, sections 1 to 4: the connector's time to first token against the engine's own
-prefix hit, the hooks traced layer by layer, per-layer against cross-layer hand-over, and
-inside the engine. Overheads carry their interval; a comparison is claimed only beyond it."""
+"""Notebooks 03 and 04: the connector's time to first token against the engine's own prefix
+hit, the hooks traced layer by layer, per-layer against cross-layer hand-over, and inside the
+engine. Overheads carry their interval; a comparison is claimed only beyond it."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from kvlab.experiments.ttft import CONNECTOR_MODES, engine_floor
 from kvlab.plotting.common import as_records
 from kvlab.plotting.story.claims import (Prose, Takeaways, against_target, amount, medians_only, number, paragraphs,
                                          prose, quantity, quoted, span, takeaways, versus)
+from kvlab.plotting.story.serving import as_lies_point
 from kvlab.testing.spread import (SAMPLES_KEY, Estimate, bootstrapped, median_only, row_difference, row_estimate,
                                   spread, summary_difference)
 
@@ -236,12 +237,30 @@ def connector_takeaways(ttft: Any, registration: Any = None, layouts: Any = None
         points.append(f"Handing {registration[0]['tokens']:,} tokens to the connector, per-layer registrations cost "
                       f"{span(r['save_segments'] for r in groups[False])} copies per save, cross-layer ones "
                       f"{span(r['save_segments'] for r in groups[True])}.")
+    points.append(engine_point(layouts))
+    return takeaways(*points)
+
+
+def engine_point(layouts: Any) -> str | None:
+    """Per-layer against cross-layer inside the engine, whole-step from memory, each over its
+    own engine's floor (layouts_in_the_engine rows); None without both."""
     engine = [r for r in as_records(layouts) if isinstance(r.get("hand_over"), str) and r.get("mode") == "whole-step"
               and r.get("tier") == "memory"]
     per = next((r for r in engine if r["layout"] == "LBHNC"), None)
     cross = next((r for r in engine if r["layout"] == "BLHNC"), None)
-    if per is not None and cross is not None:
-        points.append(f"Inside the engine, whole-step from memory: "
-                      f"{versus(overhead_difference(cross, per).scaled(1e3), 'cross-layer', 'per-layer')} "
-                      f"{quoted(engine)}.")
-    return takeaways(*points)
+    if per is None or cross is None:
+        return None
+    return (f"Inside the engine, whole-step from memory, a chunk is {per['segments_per_chunk']:,.0f} copies per-layer "
+            f"and {cross['segments_per_chunk']:,.0f} cross-layer: "
+            f"{versus(overhead_difference(cross, per).scaled(1e3), 'cross-layer', 'per-layer')} {quoted(engine)}.")
+
+
+def cross_layer_takeaways(layouts: Any, network: Any = None, beyond: Any = None) -> Takeaways:
+    """Notebook 04's takeaways: per-layer against cross-layer inside the engine
+    (layouts_in_the_engine rows) and stored as it lies in each network store (rows of
+    redis_prefix_costs and of scale_model.measure_stores), each claim within its spread."""
+    prefixes = [r for r in as_records(beyond) if r.get("kind") == "prefix"]
+    stores = [("Redis", as_records(network))] + [(name, [r for r in prefixes if r.get("store") == store])
+                                                  for name, store in (("Mooncake Store", "mooncake"),
+                                                                      ("a Redis Cluster", "redis cluster"))]
+    return takeaways(engine_point(layouts), *(as_lies_point(rows, name) for name, rows in stores))

@@ -32,7 +32,7 @@ CLOSING = "<!-- /rendered -->"
 STALE = "run `make figures` (or `python -m kvlab results-doc`) and commit the page"
 
 HEADLINE_MODEL, HEADLINE_TOKENS = "llama-3.1-8b", 1024  # notebook 02's headline transfer
-SCALE_MODELS, SCALE_HOSTS = ("smollm2-135m", "llama-3.1-8b"), (1, 2, 4, 8, 16, 32, 64)  # notebook 03's scale model
+SCALE_MODELS, SCALE_HOSTS = ("smollm2-135m", "llama-3.1-8b"), (1, 2, 4, 8, 16, 32, 64)  # notebook 04's scale model
 
 
 class RenderError(ValueError):

@@ -1,4 +1,4 @@
-"""Notebooks 01 and 05: what a transfer touches in each layout, from the segment arithmetic."""
+"""Notebooks 01 and 07: what a transfer touches in each layout, from the segment arithmetic."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def layout_takeaways(rows: Any) -> Takeaways:
 
 
 def extension_takeaways(checks: Any, costs: Any, layout: str, method: str) -> Takeaways:
-    """Notebook 05: the new ``layout`` and ``method`` in the round-trip checks (rows of
+    """Notebook 07: the new ``layout`` and ``method`` in the round-trip checks (rows of
     kvlab.experiments.roundtrip.roundtrip) and in the segment arithmetic (transfer_cost rows:
     every layout at the last token count, the one that cuts a block)."""
     new = [r for r in as_records(checks) if r["layout"] == layout or r["method"] == method]

@@ -1,4 +1,4 @@
-"""Notebook 03, sections 5 and 6: stores over a network (Redis, Mooncake Store, a Redis
+"""Notebooks 04 and 05: stores over a network (Redis, Mooncake Store, a Redis
 Cluster), what their measured costs predict for many hosts, where a hit's milliseconds go,
 and how every cost grows. Each number names its run; a difference is claimed beyond its
 spread only, and a target is judged on the whole interval."""
@@ -9,8 +9,8 @@ import statistics
 from typing import Any, Sequence
 
 from kvlab.plotting.common import as_records, plural
-from kvlab.plotting.story.claims import (Prose, against_target, amount, interval, medians_only, number, paragraphs,
-                                         prose, quantity, quoted, span, versus)
+from kvlab.plotting.story.claims import (Prose, Takeaways, against_target, amount, interval, medians_only, number,
+                                         paragraphs, prose, quantity, quoted, span, takeaways, versus)
 from kvlab.testing.spread import MEDIAN_ONLY, Estimate, bootstrapped, median_only, ratio, spread, summary_ratio
 
 PER_RUN = "object per run"  # kvlab.experiments.network's strategy that stores a chunk as it lies
@@ -62,22 +62,30 @@ def strategies_reading(rows: Any, store: str) -> Prose:
     lines = [f"- {r['layout']}, {r['strategy']}: {r['objects_per_chunk']:,.3g} objects a chunk; store "
              f"{amount(1e3 * r['store_s'])}{paced(r, 'store')}, fetch {amount(1e3 * r['fetch_s'])}{paced(r, 'fetch')}"
              for r in rows]
-    as_lies = {r["layout"]: r for r in rows if r["strategy"] == PER_RUN}
-    per = next((r for layout, r in as_lies.items() if not r["cross_layer"]), None)
-    cross = next((r for layout, r in as_lies.items() if r["cross_layer"]), None)
-    compared = None
-    if per is not None and cross is not None:
-        compared = prose(f"Stored as it lies, a per-layer ({per['layout']}) chunk is "
-                         f"{per['objects_per_chunk']:,.0f} objects and a cross-layer ({cross['layout']}) one "
-                         f"{cross['objects_per_chunk']:,.0f}:",
-                         f"storing, {versus(time_difference(per, cross, 'store'), 'per-layer', 'cross-layer')};",
-                         f"fetching, {versus(time_difference(per, cross, 'fetch'), 'per-layer', 'cross-layer')}.",
-                         "Every strategy gave back every byte." if all(r["identical"] for r in rows) else
+    compared = as_lies_point(rows)
+    if compared is not None:
+        compared = prose(compared, "Every strategy gave back every byte." if all(r["identical"] for r in rows) else
                          "Not every strategy gave back every byte: "
                          + ", ".join(f"{r['layout']} {r['strategy']}" for r in rows if not r["identical"]) + ".")
     head = prose(f"A {rows[0]['tokens']:,}-token prefix in {rows[0]['chunks']} chunks {quoted(rows)}; the pace is the "
                  "store moving the same bytes as one ready object per chunk:")
     return paragraphs(head, Prose("\n".join(lines)), compared, note)
+
+
+def as_lies_point(rows: Any, store: str | None = None) -> str | None:
+    """A per-layer chunk stored as it lies (an object per run) against a cross-layer one, in
+    one store (``store`` names it in the sentence), storing and fetching; None without both."""
+    as_lies = {r["layout"]: r for r in as_records(rows) if r["strategy"] == PER_RUN}
+    per = next((r for r in as_lies.values() if not r["cross_layer"]), None)
+    cross = next((r for r in as_lies.values() if r["cross_layer"]), None)
+    if per is None or cross is None:
+        return None
+    return (f"Stored as it lies{f' in {store}' if store else ''}, a per-layer ({per['layout']}) chunk is "
+            f"{per['objects_per_chunk']:,.0f} objects and a cross-layer ({cross['layout']}) one "
+            f"{cross['objects_per_chunk']:,.0f}: storing, "
+            f"{versus(time_difference(per, cross, 'store'), 'per-layer', 'cross-layer')}; fetching, "
+            f"{versus(time_difference(per, cross, 'fetch'), 'per-layer', 'cross-layer')}"
+            + (f" {quoted([per, cross])}." if store else "."))
 
 
 def lease_reading(default_ms: int, peers_ms: int) -> Prose:
@@ -160,21 +168,27 @@ def lengths_reading(lengths: Any) -> Prose:
         lines.append(f"- {path}: " + ", ".join(
             f"{r['prompt_tokens']:,} tokens {amount(1e3 * r['overhead_s'])} ({r['bound_ratio']:.2f}× the STREAM copy)"
             for r in mine))
-    judged = []
-    for r in rows:
-        if r["path"] == "KVLab, memory" and r["prompt_tokens"] >= 2000:
-            overheads, streams = r.get("overhead_samples_s"), r.get("stream_samples_s")
-            bound = ratio(overheads, streams) if overheads and streams else median_only(r["bound_ratio"])
-            judged.append(f"at {r['prompt_tokens']:,} tokens, "
-                          f"{against_target(bound, MEMORY_BOUND_TARGET, unit='×')}")
+    judged = memory_bound_point(rows)
     note = medians_only(*(None if r.get("overhead_samples_s") else median_only(r["overhead_s"]) for r in rows))
     skipped = [f"{r['path']} at {r['prompt_tokens']:,} tokens: {r['skipped']}" for r in as_records(lengths)
                if r.get("skipped")]
     return paragraphs(prose(f"The time to first token over each engine's own prefix hit {quoted(rows)}:"),
                       Prose("\n".join(lines)),
-                      prose(("A hit from memory, its overhead as a multiple of the STREAM copy of its bytes: "
-                             + "; ".join(judged) + ".") if judged else None,
+                      prose(judged,
                             ("Not run: " + "; ".join(skipped) + ".") if skipped else None, note))
+
+
+def memory_bound_point(lengths: Any) -> str | None:
+    """A hit from memory of 2,000 tokens or more, its overhead over the engine's own floor as a
+    multiple of the STREAM copy of its bytes, judged against its target; None without one."""
+    judged = []
+    for r in as_records(lengths):
+        if r.get("path") == "KVLab, memory" and r["prompt_tokens"] >= 2000 and number(r.get("overhead_s")):
+            overheads, streams = r.get("overhead_samples_s"), r.get("stream_samples_s")
+            bound = ratio(overheads, streams) if overheads and streams else median_only(r["bound_ratio"])
+            judged.append(f"at {r['prompt_tokens']:,} tokens, {against_target(bound, MEMORY_BOUND_TARGET, unit='×')}")
+    return ("A hit from memory, its overhead as a multiple of the STREAM copy of its bytes: "
+            + "; ".join(judged) + ".") if judged else None
 
 
 def lookups_reading(lookups: Any) -> Prose:
@@ -224,19 +238,40 @@ def concurrency_reading(concurrency: Any, level: int = 16) -> Prose:
         threads = mine[0].get("compute_threads")
         computed = f" ({plural(threads, 'compute thread')})" if threads else ""
         lines.append(f"- {server}{computed}: " + ", ".join(f"{r['concurrency']} at a time {quantity(throughput(r), 'req/s', 1)}" for r in mine))
-    at = {r["server"]: r for r in rows if r["concurrency"] == level}
-    judged = None
-    if "KVLabConnector" in at and "vLLM prefix cache" in at:
-        ours, theirs = at["KVLabConnector"], at["vLLM prefix cache"]
-        a, b = ours.get("throughput_samples_rps"), theirs.get("throughput_samples_rps")
-        share = ratio(a, b) if a and b else summary_ratio(throughput(ours), throughput(theirs))
-        judged = (f"At {level} concurrent requests, KVLabConnector's throughput over vLLM's own prefix cache: "
-                  f"{against_target(share, CONCURRENT_TARGET, at_most=False, unit='×')}.")
-        if ours.get("compute_threads") and ours.get("compute_threads") != theirs.get("compute_threads"):
-            judged += (" The two servers computed on different thread counts, so this ratio measures the threads, "
-                       "not the connector.")
     return paragraphs(prose(f"Requests per second through `vllm serve` {quoted(rows)}:"), Prose("\n".join(lines)),
-                      prose(judged, medians_only(*(throughput(r) for r in rows))))
+                      prose(concurrency_point(rows, level), medians_only(*(throughput(r) for r in rows))))
+
+
+def concurrency_point(concurrency: Any, level: int = 16) -> str | None:
+    """KVLab's throughput against vLLM's own prefix cache at ``level`` concurrent requests,
+    judged against its target; None without both."""
+    at = {r["server"]: r for r in as_records(concurrency) if r["concurrency"] == level}
+    if "KVLabConnector" not in at or "vLLM prefix cache" not in at:
+        return None
+    ours, theirs = at["KVLabConnector"], at["vLLM prefix cache"]
+    a, b = ours.get("throughput_samples_rps"), theirs.get("throughput_samples_rps")
+    share = ratio(a, b) if a and b else summary_ratio(throughput(ours), throughput(theirs))
+    judged = (f"At {level} concurrent requests, KVLabConnector's throughput over vLLM's own prefix cache: "
+              f"{against_target(share, CONCURRENT_TARGET, at_most=False, unit='×')}.")
+    if ours.get("compute_threads") and ours.get("compute_threads") != theirs.get("compute_threads"):
+        judged += (" The two servers computed on different thread counts, so this ratio measures the threads, "
+                   "not the connector.")
+    return judged
+
+
+def deployment_takeaways(lengths: Any, lookups: Any = None, concurrency: Any = None) -> Takeaways:
+    """Notebook 05's takeaways: a hit from memory against the STREAM copy of its bytes, a
+    lookup against the chunks a tier holds, and throughput under concurrent requests
+    against vLLM's own prefix cache, each judged on its interval."""
+    rows = as_records(lookups)
+    most = max(rows, key=lambda r: r["stored_chunks"]) if rows else None
+    lookup = None
+    if most is not None:
+        estimate = spread(most["lookup_samples_ms"]) if most.get("lookup_samples_ms") else median_only(most["lookup_ms"])
+        lookup = (f"A repeated lookup of a {most['prompt_tokens']:,}-token prompt in a {most['tier']} tier holding "
+                  f"{most['stored_chunks']:,} chunks: {against_target(estimate, LOOKUP_TARGET_MS, unit='ms')} "
+                  f"{quoted([most])}.")
+    return takeaways(memory_bound_point(lengths), lookup, concurrency_point(as_records(concurrency)))
 
 
 def serve_reading(serve: Any) -> Prose:

@@ -1,7 +1,7 @@
 """Markdown tables read from result rows, for the pages rendered from them (docs/results.md):
 what a notebook shows as a DataFrame, as a reader cites it. Each table is captioned with
 whose run it shows, and a number carries its spread where the rows keep one. Notebooks 02
-and 03 here; notebook 04's in accuracy_tables."""
+to 05 here; notebook 06's in accuracy_tables."""
 
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ def _range(row: dict, key: str) -> Any:
 
 
 def throughput_table(rows: Any) -> Prose:
-    """Notebook 03, section 4: prefill and decode throughput of plain CPU_ATTN and kvlab's
+    """Notebook 04, section 1: prefill and decode throughput of plain CPU_ATTN and kvlab's
     backend on each layout, with each ratio's range over the interleaved rounds."""
     rows = as_records(rows)
     body = [[r["backend"], r["layout"], amount(r["prefill_tok_s"], "tok/s", 0), amount(r["decode_tok_s"], "tok/s", 1),
@@ -134,7 +134,7 @@ def throughput_table(rows: Any) -> Prose:
 
 
 def serving_table(serving: Any) -> Prose:
-    """Notebook 03, section 5: vLLM's own processes, each engine's prefix hit, warm time to
+    """Notebook 05, section 1: vLLM's own processes, each engine's prefix hit, warm time to
     first token, overhead, the model runner's time in save calls, and decode throughput."""
     rows = as_records(serving)
 
@@ -153,7 +153,7 @@ def serving_table(serving: Any) -> Prose:
 
 
 def sharing_table(sharing: Any) -> Prose:
-    """Notebook 03, section 5: engines that read what another process stored (shared memory,
+    """Notebook 05, section 1: engines that read what another process stored (shared memory,
     Redis) and tensor-parallel ranks, each against the writer's tokens and logprobs."""
     rows = as_records(sharing)
 
@@ -170,7 +170,7 @@ def sharing_table(sharing: Any) -> Prose:
 
 
 def peers_table(peers: Any) -> Prose:
-    """Notebook 03, section 5: vLLM's and LMCache's own connectors and kvlab's tiers on a
+    """Notebook 04, section 3: vLLM's and LMCache's own connectors and kvlab's tiers on a
     Mooncake Store and a Redis Cluster, engine B loading what engine A stored."""
     rows = as_records(peers)
     body = [[r["peer"], r["store"], r.get("version", ""), "yes" if r.get("runs") else f"no: {r.get('reason')}",

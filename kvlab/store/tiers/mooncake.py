@@ -8,12 +8,15 @@ evicts, the write is skipped and counted."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import re
 import socket
+import sys
+import tempfile
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 from urllib.parse import parse_qsl, urlsplit
 
 import torch
@@ -63,6 +66,35 @@ def _local_address(master_host: str) -> str:
             return "127.0.0.1"
 
 
+# A line of Google's logging (glog), which Mooncake's client writes straight to file descriptor 2
+GLOG_LINE = re.compile(r"^(?:[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\]|WARNING: Logging before InitGoogleLogging)")
+
+
+@contextlib.contextmanager
+def captured_stderr() -> Iterator[list[str]]:
+    """What this process writes to its stderr file descriptor while the block runs (where
+    Mooncake's client logs, below Python's sys.stderr: a notebook would show every line) goes
+    to a temporary file instead; the list holds its lines once the block ends. A line that is
+    not glog's (a warning of another thread) is written back to sys.stderr."""
+    lines: list[str] = []
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with tempfile.TemporaryFile() as sink:
+            os.dup2(sink.fileno(), 2)
+            try:
+                yield lines
+            finally:
+                os.dup2(saved, 2)
+                sink.seek(0)
+                lines.extend(sink.read().decode(errors="replace").splitlines())
+    finally:
+        os.close(saved)
+    others = [line for line in lines if not GLOG_LINE.match(line)]
+    if others:
+        sys.stderr.write("\n".join(others) + "\n")
+
+
 class MooncakeTier:
     """Chunks in a Mooncake Store: per chunk one object (its header then its payload, put
     from the chunk's own tensors as a list of buffers: no gather copy) and its header again
@@ -82,14 +114,18 @@ class MooncakeTier:
         where = parse_mooncake_url(url)
         self.url, self.stats, self.auth_key = url, stats, auth_key
         self.prefix = where["namespace"] + "/"
-        self.client = MooncakeDistributedStore()
-        # Mooncake retries a master that is not there for 90 s: a closed port is a quick "no" here
-        if all(reachable(where["host"], where[port], CONNECT_TIMEOUT_S) for port in ("port", "metadata_port")):
-            self._setup = self.client.setup(_local_address(where["host"]),
-                                            f"http://{where['host']}:{where['metadata_port']}/metadata", segment_bytes,
-                                            LOCAL_BUFFER_BYTES, "tcp", "", f"{where['host']}:{where['port']}")
-        else:
-            self._setup = -1
+        # its client logs some twenty lines on every start (among them an "http=404 ... metadata not
+        # found" while it registers itself): kept for check() to tell, shown only when the start failed
+        with captured_stderr() as self._setup_log:
+            self.client = MooncakeDistributedStore()
+            # Mooncake retries a master that is not there for 90 s: a closed port is a quick "no" here
+            if all(reachable(where["host"], where[port], CONNECT_TIMEOUT_S) for port in ("port", "metadata_port")):
+                self._setup = self.client.setup(_local_address(where["host"]),
+                                                f"http://{where['host']}:{where['metadata_port']}/metadata",
+                                                segment_bytes, LOCAL_BUFFER_BYTES, "tcp", "",
+                                                f"{where['host']}:{where['port']}")
+            else:
+                self._setup = -1
         self._backoff = Backoff()
         self._deadline = Deadline(ServerWatch(where["host"], where["port"], CONNECT_TIMEOUT_S), timeout_s,
                                   "kvlab-mooncake")
@@ -98,8 +134,10 @@ class MooncakeTier:
     def check(self) -> None:
         """Raise ValueError naming the master unless this client reached it (at start-up)."""
         if self._setup != 0 or self.client.health_check() != 0:
+            said = [line for line in self._setup_log if line[:1] in "EF"][-3:]
             raise ValueError(f"the mooncake tier cannot reach the Mooncake master at {self.url} "
-                             f"(setup returned {self._setup}); start it (kvlab.runtime.mooncake.MooncakeStore)")
+                             f"(setup returned {self._setup}{'; its client logged: ' + ' | '.join(said) if said else ''}); "
+                             "start it (kvlab.runtime.mooncake.MooncakeStore)")
 
     # ---- lookups -------------------------------------------------------------------
     def locate(self, block_key: str) -> tuple[str, int] | None:
@@ -193,7 +231,8 @@ class MooncakeTier:
     def close(self) -> None:
         """Leave the store (a segment this client lent goes with it)."""
         self._deadline.close()
-        self.client.close()
+        with captured_stderr():  # its goodbye lines
+            self.client.close()
 
     # ---- internals -----------------------------------------------------------------
     def _values(self, names: list[str]) -> list[bytes | None]:
