@@ -221,6 +221,9 @@ def run_loadtest(args: argparse.Namespace) -> int:
     from kvlab.results import default_results_path, record_run
     from kvlab.runtime import models
 
+    if args.measure != "serve" and (args.mode != "whole-step" or args.cross_layer or args.remote):
+        raise ValueError(f"--mode, --cross-layer and --remote set up the load test (--measure serve), "
+                         f"not --measure {args.measure}")
     model = args.model if Path(args.model).is_dir() else str(models.model_path(args.model))
     if args.measure == "integrity":
         summary, stem = integrity_costs(), "05_integrity_costs"
@@ -232,7 +235,8 @@ def run_loadtest(args: argparse.Namespace) -> int:
             with tempfile.TemporaryDirectory() as tmp:
                 test = LoadTest(model, tmp, requests=args.requests, clients=args.clients,
                                 num_gpu_blocks=args.num_gpu_blocks, fault_interval_s=args.fault_interval,
-                                connector=args.connector)
+                                connector=args.connector, mode=args.mode, cross_layer=args.cross_layer,
+                                remote=args.remote)
                 summary = {k: v for k, v in test.run(ids).items() if k != "rows"}
             stem = "05_load_test"
     out = args.out or default_results_path(stem, "cpu")

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 
 from kvlab.cache.layouts import LAYOUTS
+from kvlab.experiments.load_test import REMOTE_TIERS
+from kvlab.experiments.ttft import CONNECTOR_MODES
 from kvlab.runtime.notebooks import PROFILES
 
 
@@ -119,6 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--fault-interval", type=float, default=1.0, help="seconds between injected faults")
     load.add_argument("--connector", choices=["kvlab", "none"], default="kvlab",
                       help="none: vLLM's own prefix cache under the same load, no faults (the batching baseline)")
+    load.add_argument("--mode", choices=list(CONNECTOR_MODES), default="whole-step",
+                      help="the connector's mode; hooks: layerwise through kvlab's CPU attention backend")
+    load.add_argument("--cross-layer", action="store_true",
+                      help="ask vLLM for a cross-layer (BLHNC) cache: enable_cross_layers_blocks")
+    load.add_argument("--remote", choices=REMOTE_TIERS, default=None,
+                      help="a remote tier after disk, on a server started here, SIGKILLed once half the requests "
+                           "are answered (the Redis server; the Mooncake master)")
     load.add_argument("--measure", choices=["serve", "memory", "integrity"], default="serve",
                       help="serve: the load test; memory: the worker's RSS over --requests unique prompts with a "
                            "512 MiB memory tier; integrity: CRC32C and HMAC-SHA256 cost per byte")

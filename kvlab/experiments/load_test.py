@@ -3,7 +3,9 @@
 :class:`LoadTest`, through ``vllm serve``: many
 clients at once into a small KV cache (vLLM preempts requests while KVLabConnector saves and
 loads), prompts sharing prefixes, and faults injected into the shared tiers mid-run (files
-another process evicts, damaged files). Every response is then compared with its same-split
+another process evicts, damaged files), in any of the connector's modes, with a cross-layer
+cache or not, and with a remote tier (a Redis server or a Mooncake Store kvlab starts) whose
+server is SIGKILLed once, half-way. Every response is then compared with its same-split
 control: vLLM's own prefix cache, with no connector, hitting exactly as many tokens as the
 response reports cached (a cache salt per pair keeps the controls apart), so a wrong KV
 shows and a prefill split differently does not. :func:`worker_memory`: the worker's resident
@@ -18,16 +20,42 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+from kvlab.experiments.ttft import CONNECTOR_MODES
 from kvlab.runtime.progress import progress
 from kvlab.testing.compare import SPLIT_DRIFT, first_difference, gap_through_divergence
 from kvlab.testing.engine import EngineSpec, run_engine
 
 FAULTS = ("shm-vanish", "disk-damage", "disk-vanish")
+REMOTE_KILL = "remote-kill"  # the remote tier's server SIGKILLed once, half-way
+REMOTE_TIERS = ("redis", "mooncake")
 BLOCK = 32
+
+
+@dataclass
+class KillOnce:
+    """The remote-kill fault: ``kill`` called once, by the client whose answer is the
+    ``at``-th, so the run is served with the remote tier before and without it after;
+    ``killed_at_s`` is when (on the clock ``answer`` is given)."""
+
+    kill: Callable[[], None]
+    at: int
+    answered: int = 0
+    killed_at_s: float | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def answer(self, now_s: float) -> None:
+        """One more request answered (or failed) at ``now_s``; the ``at``-th kills."""
+        with self.lock:
+            self.answered += 1
+            if self.answered != self.at:
+                return
+        self.killed_at_s = now_s
+        self.kill()
 
 
 @dataclass
@@ -35,6 +63,10 @@ class LoadTest:
     """``requests`` requests from ``clients`` clients at once into ``num_gpu_blocks`` KV blocks
     of 32 tokens; one fault of FAULTS in turn every ``fault_interval_s`` into the shared
     tiers (shared memory and disk, ``tier_bytes`` each; memory ``tier_bytes`` too).
+    ``mode`` is the connector's (kvlab.experiments.ttft.CONNECTOR_MODES), ``cross_layer`` asks
+    vLLM for a block-major cache (BLHNC, through kvlab's CPU attention backend), and
+    ``remote`` ("redis" or "mooncake") adds that tier last, on a server started here, and
+    SIGKILLs it (the Redis server, the Mooncake master) once half the requests are answered.
     ``connector`` "none" serves the same load with vLLM's own prefix cache instead (no
     faults): the baseline of what batching alone changes against the one-at-a-time controls."""
 
@@ -49,6 +81,9 @@ class LoadTest:
     dtype: str = "float32"
     seed: int = 0
     connector: str = "kvlab"
+    mode: str = "whole-step"
+    cross_layer: bool = False
+    remote: str | None = None
     faults: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAULTS, 0), init=False)
 
     def __post_init__(self) -> None:
@@ -61,6 +96,17 @@ class LoadTest:
             raise ValueError(f"fault_interval_s must be a positive number of seconds, got {self.fault_interval_s!r}")
         if self.connector not in ("kvlab", "none"):
             raise ValueError(f"connector must be 'kvlab' or 'none', got {self.connector!r}")
+        if self.mode not in CONNECTOR_MODES:
+            raise ValueError(f"mode must be one of {list(CONNECTOR_MODES)}, got {self.mode!r}")
+        if not isinstance(self.cross_layer, bool):
+            raise ValueError(f"cross_layer must be True or False, got {self.cross_layer!r}")
+        if self.remote is not None and self.remote not in REMOTE_TIERS:
+            raise ValueError(f"remote must be one of {list(REMOTE_TIERS)} or None, got {self.remote!r}")
+        if self.connector == "none" and (self.mode != "whole-step" or self.cross_layer or self.remote):
+            raise ValueError("connector 'none' is vLLM's own prefix cache: mode, cross_layer and remote are "
+                             "KVLabConnector's settings; leave them at whole-step, False and None")
+        if self.remote:
+            self.faults[REMOTE_KILL] = 0
         if not (Path(self.model) / "config.json").exists():
             raise FileNotFoundError(f"no model folder at {self.model}")
 
@@ -111,46 +157,85 @@ class LoadTest:
         root = Path(self.workdir)
         shm = Path("/dev/shm") / f"kvlab-load-{uuid.uuid4().hex[:12]}"
         folders = {"shm": shm, "disk": root / "disk"}
-        extra = {"tiers": ["memory", "shm", "disk"], "store_bytes": self.tier_bytes,
-                 "shm": {"path": str(shm), "bytes": self.tier_bytes},
-                 "disk": {"path": str(folders["disk"]), "bytes": 4 * self.tier_bytes}}
-        server = VLLMServer(self.model, self.connector, extra if self.connector == "kvlab" else {},
-                            prefix_caching=self.connector == "none", dtype=self.dtype, max_model_len=1024,
-                            args=("--num-gpu-blocks-override", str(self.num_gpu_blocks),
-                                  "--max-num-seqs", str(self.clients)))
         stop = threading.Event()
         try:
-            with server:
+            with ExitStack() as servers:  # the engine stops first, then the remote tier's server
+                remote = servers.enter_context(self.remote_store(root)) if self.remote else None
+                server = servers.enter_context(VLLMServer(
+                    self.model, self.connector, self.connector_extra(folders, remote),
+                    prefix_caching=self.connector == "none", dtype=self.dtype, max_model_len=1024,
+                    args=("--num-gpu-blocks-override", str(self.num_gpu_blocks), "--max-num-seqs", str(self.clients))))
+                killer = self.remote_kill(remote) if remote else None
                 injector = threading.Thread(target=self.inject, args=(folders, stop), daemon=True)
                 began = time.perf_counter()
                 if self.connector == "kvlab":
                     injector.start()
                 with ThreadPoolExecutor(self.clients) as pool:
-                    rows = list(progress(pool.map(lambda i: self._request(server, i, prompts[i]), range(len(prompts))),
-                                         total=len(prompts), desc="requests", unit="request"))
+                    rows = list(progress(pool.map(lambda i: self._request(server, i, prompts[i], began, killer),
+                                                  range(len(prompts))), total=len(prompts), desc="requests",
+                                         unit="request"))
                 wall_s = time.perf_counter() - began
                 stop.set()
                 if injector.is_alive():
                     injector.join()
                 counters = server.kvlab_counters()
+            layout = server.registered_layout()
         finally:
             stop.set()
             shutil.rmtree(shm, ignore_errors=True)
         compare_with_controls(rows, prompts, self.model, self.dtype, self.max_tokens)
+        if killer:
+            self.faults[REMOTE_KILL] = int(killer.killed_at_s is not None)
+        kill = {"killed_at_s": killer.killed_at_s, **around_the_kill(rows, killer.killed_at_s)} if killer else {}
         return {**summarize_load(rows), "wall_s": wall_s, "faults": dict(self.faults), "kvlab": counters,
-                **{k: v for k, v in asdict(self).items() if k not in ("faults", "workdir")}, "rows": rows}
+                "layout": layout, **kill, **{k: v for k, v in asdict(self).items() if k not in ("faults", "workdir")},
+                "rows": rows}
 
-    def _request(self, server: Any, index: int, prompt: list[int]) -> dict[str, Any]:
-        row: dict[str, Any] = {"request": index, "prompt_tokens": len(prompt)}
+    def remote_store(self, root: Path) -> Any:
+        """The remote tier's server, not started yet: a Redis server or a Mooncake Store
+        (master and one segment), holding as much as the disk tier (``4 * tier_bytes``)."""
+        from kvlab.runtime.mooncake import MooncakeStore
+        from kvlab.runtime.redis import RedisServer
+
+        megabytes = max(1, 4 * self.tier_bytes >> 20)
+        if self.remote == "redis":
+            return RedisServer(maxmemory_mb=megabytes, log_path=root / "redis.log")
+        return MooncakeStore(segment_mb=megabytes, log_dir=root)
+
+    def remote_kill(self, remote: Any) -> KillOnce:
+        """The remote-kill fault of ``remote`` (a :meth:`remote_store`): SIGKILL of the Redis
+        server, or of the Mooncake master, once half the requests are answered."""
+        return KillOnce(remote.kill_master if self.remote == "mooncake" else remote.kill, max(1, self.requests // 2))
+
+    def connector_extra(self, folders: dict[str, Path], remote: Any = None) -> dict[str, Any]:
+        """KVLabConnector's settings: memory, shared memory and disk (then ``remote``'s tier,
+        a started :meth:`remote_store`), in ``mode``, cross-layer or not; {} without it."""
+        if self.connector == "none":
+            return {}
+        extra = {"tiers": ["memory", "shm", "disk"], "store_bytes": self.tier_bytes,
+                 "shm": {"path": str(folders["shm"]), "bytes": self.tier_bytes},
+                 "disk": {"path": str(folders["disk"]), "bytes": 4 * self.tier_bytes}, **CONNECTOR_MODES[self.mode]}
+        if self.cross_layer:
+            extra["enable_cross_layers_blocks"] = True
+        return remote.extra(**{**extra, "tiers": [*extra["tiers"], self.remote]}) if remote else extra
+
+    def _request(self, server: Any, index: int, prompt: list[int], began: float, killer: KillOnce | None) -> dict:
+        """One request and its answer (or failure), with when it was sent and answered."""
+        row: dict[str, Any] = {"request": index, "prompt_tokens": len(prompt), "sent_s": time.perf_counter() - began}
         try:
             response = server.complete(prompt, self.max_tokens, logprobs=1, return_tokens_as_token_ids=True)
         except Exception as error:  # a failed request is what this test counts
-            return {**row, "failed": f"{type(error).__name__}: {error}"}
-        choice = response["choices"][0]["logprobs"]
-        details = response.get("usage", {}).get("prompt_tokens_details") or {}
-        return {**row, "failed": None, "cached_tokens": details.get("cached_tokens") or 0,
-                "token_ids": [int(t.removeprefix("token_id:")) for t in choice["tokens"]],
-                "logprobs": choice["token_logprobs"]}
+            row["failed"] = f"{type(error).__name__}: {error}"
+        else:
+            choice = response["choices"][0]["logprobs"]
+            details = response.get("usage", {}).get("prompt_tokens_details") or {}
+            row.update(failed=None, cached_tokens=details.get("cached_tokens") or 0,
+                       token_ids=[int(t.removeprefix("token_id:")) for t in choice["tokens"]],
+                       logprobs=choice["token_logprobs"])
+        row["answered_s"] = time.perf_counter() - began
+        if killer:
+            killer.answer(row["answered_s"])
+        return row
 
 
 def control_plan(rows: list[dict], prompts: list[list[int]]) -> tuple[list[list[int]], list[str], dict]:
@@ -181,8 +266,9 @@ def compare_with_controls(rows: list[dict], prompts: list[list[int]], model: str
     requests, salts, where = control_plan(rows, prompts)
     if not requests:
         return
+    # one request at a time, each pair's prefix first: a shared 2-core machine needs more than the default 15 min
     control = run_engine(EngineSpec(model, dtype=dtype, prefix_caching=True, phases=("cold",), max_tokens=max_tokens),
-                         requests, salts=salts)["phases"]["cold"]
+                         requests, salts=salts, timeout=3600)["phases"]["cold"]
     for row in rows:
         if row["failed"]:
             continue
@@ -203,7 +289,16 @@ def summarize_load(rows: list[dict]) -> dict[str, Any]:
             "within_drift": sum(r.get("gap", 1.0) <= SPLIT_DRIFT for r in answered),
             "differing_tokens": sum(r.get("first_difference") is not None for r in answered),
             "max_gap": max((r.get("gap", 0.0) for r in answered), default=0.0),
-            "control_split_matched": sum(r.get("control_cached_tokens") == r["cached_tokens"] for r in answered)}
+            "control_split_matched": sum(r.get("control_cached_tokens") == r["cached_tokens"] for r in answered),
+            "longest_request_s": max((r["answered_s"] - r["sent_s"] for r in rows), default=0.0)}
+
+
+def around_the_kill(rows: list[dict], killed_at_s: float) -> dict[str, dict[str, Any]]:
+    """:func:`summarize_load` of the requests answered before the remote tier's server was
+    killed, and of those sent after it (the ones in flight across the kill are in neither):
+    what the remote tier gave while it lived, and what a dead one costs."""
+    return {"before_kill": summarize_load([r for r in rows if r["answered_s"] <= killed_at_s]),
+            "after_kill": summarize_load([r for r in rows if r["sent_s"] > killed_at_s])}
 
 
 def worker_memory(model: str, ids: list[int], prompts: int = 400, store_bytes: int = 512 << 20,

@@ -5,7 +5,6 @@ long request twice: the repeat must be served from the connector with the same t
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,9 +50,7 @@ class SeedReplay:
                 rows.append(_row(request, "completions", client.completions.create(
                     model=name, prompt=self.long_prompt, max_tokens=self.long_max_tokens, temperature=0,
                     logprobs=0, extra_body=ids)))
-        registered = re.search(r"registered a (\S+) cache", Path(server.log_path).read_text())
-        labels = {"model": Path(server.model_folder).name, "dtype": self.dtype,
-                  "layout": registered.group(1) if registered else None}
+        labels = {"model": Path(server.model_folder).name, "dtype": self.dtype, "layout": server.registered_layout()}
         return [{**labels, **row} for row in rows]
 
 

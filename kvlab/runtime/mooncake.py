@@ -210,13 +210,11 @@ class MooncakeStore:
 
     def kill_master(self) -> None:
         """SIGKILL the master, as a crash would."""
-        os.killpg(self.master.process.pid, signal.SIGKILL)
-        self.master.stop()
+        self.master.kill()
 
     def kill_segment(self) -> None:
         """SIGKILL the process lending the segment: every object in it is lost."""
-        os.killpg(self.segment.process.pid, signal.SIGKILL)
-        self.segment.stop()
+        self.segment.kill()
 
 
 def shut_down(url: str) -> None:

@@ -205,6 +205,13 @@ class ManagedServer:
             if not self._wait_for_group(group, KILL_WAIT):
                 raise self.error(f"{self.label} processes {self._live_members(group)} survived SIGKILL")
 
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once, as a crash would (nothing flushed or said
+        goodbye to), then reap it: a fault for what depends on the server."""
+        if self.process is not None:
+            self._signal_group(self.process.pid, signal.SIGKILL)
+            self.stop()
+
     def _wait_for_group(self, group: int, seconds: float) -> bool:
         """Whether every process of the group ended within ``seconds``."""
         deadline = time.monotonic() + seconds
@@ -354,6 +361,12 @@ class VLLMServer(ManagedServer):
         for match in re.finditer(rf"^{re.escape(PROM_PREFIX)}(\w+)_total(?:\{{[^}}]*\}})? (\S+)$", text, re.M):
             out[match[1]] = out.get(match[1], 0.0) + float(match[2])
         return out
+
+    def registered_layout(self) -> str | None:
+        """The KV layout KVLabConnector registered (e.g. CPU_BLHNC: a cross-layer cache), from
+        its start-up line in the log; None without that line."""
+        registered = re.search(r"registered a (\S+) cache", Path(self.log_path).read_text(errors="replace"))
+        return registered.group(1) if registered else None
 
     def reset_prefix_cache(self) -> bool:
         """Empty vLLM's own prefix cache (the connector's tiers stay), so a repeat can only be

@@ -6,6 +6,8 @@ same requests in the same order, so every hit splits every prefill as the contro
   worker, then promised by the scheduler, its load failed, and the blocks saved anyway).
 - A small KV cache under concurrent requests: vLLM preempts requests while the connector
   saves and loads, and the same requests come back after unique ones pushed them out.
+- The load test itself, small: hooks mode on a cross-layer cache, its Redis tier killed
+  half-way, every request answered and within its drift of its same-split control.
 - New weights loaded into the running engine (an RL trainer's ``reload_weights``, from a
   path and from an iterator, with and without a reset): no hit, the new weights' tokens."""
 
@@ -95,6 +97,22 @@ def test_preempted_requests_under_a_small_kv_cache_keep_their_kv_right(tiny_llam
     for phase in ("cold", "warm"):
         assert len(kvlab["phases"][phase]) == len(prompts)
         assert within_split_drift(none, kvlab, phase, phase), phase
+
+
+def test_the_load_test_serves_on_when_its_remote_tier_is_killed_half_way(tiny_llama: Path, tmp_path: Path) -> None:
+    """``python -m kvlab loadtest --mode hooks --cross-layer --remote redis`` in small: 12
+    requests from 4 clients through ``vllm serve``, Redis SIGKILLed once 6 are answered. Every
+    request answered, each within its drift of its same-split control, on a cache registered
+    cross-layer, and the kill between requests answered before it and sent after it."""
+    from kvlab.experiments.load_test import LoadTest
+
+    test = LoadTest(str(tiny_llama), tmp_path, requests=12, clients=4, max_tokens=4, tier_bytes=16 * MIB,
+                    mode="hooks", cross_layer=True, remote="redis")
+    result = test.run(list(range(10_000)))
+    assert result["failed"] == 0 and result["within_drift"] == result["requests_sent"] == 12
+    assert result["layout"] == "CPU_BLHNC" and result["faults"]["remote-kill"] == 1
+    before, after = result["before_kill"]["requests_sent"], result["after_kill"]["requests_sent"]
+    assert before >= 1 and after >= 1 and before + after <= 12
 
 
 def _perturbed_copy(source: Path, target: Path, scale: float) -> Path:

@@ -157,3 +157,16 @@ def test_results_doc_command_checks_and_renders(tmp_path, capsys):
     assert "make figures" in capsys.readouterr().err
     assert main(command) == 0 and "stale" not in page.read_text()
     assert main([*command, "--check"]) == 0
+
+
+def test_the_load_test_region_sets_every_machines_runs_side_by_side(tmp_path):
+    """Two machines' load-test files: both runs, the older first."""
+    run = {"record": "run", "hardware": "cpu: A (2 cores)", "profile": "paper"}
+    row = {"requests_sent": 8, "clients": 2, "num_gpu_blocks": 96, "failed": 0, "differing_tokens": 0,
+           "within_drift": 8, "max_gap": 0.0, "identical": 8, "hits": 3, "kvlab": {}, "faults": {}}
+    for machine, date, hits in (("a", "2026-12-07", 5), ("b", "2026-12-02", 3)):  # the newer file sorts first
+        lines = [{**run, "hardware": f"cpu: {machine.upper()} (2 cores)", "date": date, "run_id": machine},
+                 {**row, "hits": hits, "run_id": machine}]
+        (tmp_path / f"05_load_test-cpu-{machine}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    text = region("load-test", tmp_path)
+    assert text.index("3 prefix hits (run: cpu: B (2 cores)") < text.index("5 prefix hits (run: cpu: A (2 cores)")

@@ -176,3 +176,29 @@ def test_the_new_notebooks_takeaways_read_their_committed_rows():
 def test_a_headline_outside_a_notebook_shows_nothing_and_passes_its_takeaways_on():
     points = story.takeaways("one point")
     assert story.Headline().show(points) is points
+
+
+def test_the_load_test_reading_names_the_mode_the_layout_and_the_remote_tier_killed():
+    from kvlab.plotting.story.serving import load_test_reading
+
+    run = {"requests_sent": 240, "clients": 16, "num_gpu_blocks": 96, "fault_interval_s": 1.0, "failed": 0,
+           "differing_tokens": 0, "within_drift": 240, "max_gap": 3.1e-5, "identical": 0, "hits": 120,
+           "hardware": "cpu: Test (2 cores)", "profile": "paper", "run_date": "2026-12-08",
+           "faults": {"shm-vanish": 3, "disk-damage": 3, "disk-vanish": 2, "remote-kill": 1},
+           "kvlab": {"load_errors": 4, "fallback_loads": 1, "cancelled_saves": 2, "preemptions": 3}}
+    killed = {**run, "mode": "hooks", "layout": "CPU_BLHNC", "cross_layer": True, "remote": "mooncake",
+              "killed_at_s": 61.2, "longest_request_s": 9.87, "wall_s": 130.4,
+              "before_kill": {"requests_sent": 118, "hits": 60, "cached_tokens": 25_000, "longest_request_s": 3.21},
+              "after_kill": {"requests_sent": 105, "hits": 52, "cached_tokens": 21_000, "longest_request_s": 9.87}}
+    text = str(load_test_reading([killed]))
+    assert ("KVLabConnector in hooks mode on a CPU_BLHNC cache (cross-layer asked for), tiers memory, shared memory, "
+            "disk and mooncake, the Mooncake master SIGKILLed once half the requests were answered" in text)
+    assert "every 1 s (8: shm-vanish 3, disk-damage 3, disk-vanish 2)" in text and "4 failed loads" in text
+    assert ("Before the kill (61 s in) 118 requests were answered, 60 of them hits (25,000 tokens cached), the "
+            "longest in 3.2 s; after it 105 were sent, 52 hits (21,000 tokens), the longest in 9.9 s; 17 requests "
+            "in flight across it." in text)
+    assert "The longest request took 9.9 s, the run 130 s." in text
+    # a run from before these columns: whole-step, its layout not recorded, no tier killed
+    older = str(load_test_reading([{**run, "faults": {"shm-vanish": 3, "disk-damage": 3, "disk-vanish": 2}}]))
+    assert "KVLabConnector in whole-step mode, a fault injected" in older
+    assert "kill" not in older and "longest" not in older

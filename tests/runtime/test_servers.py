@@ -1,6 +1,7 @@
 """``vllm serve`` managed by kvlab.runtime.servers, without starting one: the command and
 environment it builds, and the errors it gives before starting (a missing model folder, a
-taken port), and a process group that ignores SIGTERM killed on stop."""
+taken port), a process group that ignores SIGTERM killed on stop and at once by kill, and
+the layout the connector registered read from the log."""
 
 from __future__ import annotations
 
@@ -63,15 +64,40 @@ def test_taken_port_fails_before_starting():
     assert server.process is None
 
 
-def test_stop_kills_a_group_that_ignores_sigterm():
-    """A server and a child of it that both ignore SIGTERM are killed after the grace period."""
-    server = VLLMServer(TINY_LLAMA, stop_grace=0.5)
+def _group_that_ignores_sigterm(server: VLLMServer) -> list[int]:
+    """Stand a shell in for the server: it and a child of it ignore SIGTERM; their pids."""
     server.process = subprocess.Popen(["bash", "-c", 'trap "" TERM; sleep 60 & sleep 60; wait'],
                                       start_new_session=True)
     deadline = time.monotonic() + 5
     while len(server.pids()) < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
-    pids = server.pids()
+    return server.pids()
+
+
+def test_stop_kills_a_group_that_ignores_sigterm():
+    """A server and a child of it that both ignore SIGTERM are killed after the grace period."""
+    server = VLLMServer(TINY_LLAMA, stop_grace=0.5)
+    pids = _group_that_ignores_sigterm(server)
     assert len(pids) == 3
     server.stop()
     assert running(pids) == [] and server.process.returncode == -signal.SIGKILL
+
+
+def test_kill_sigkills_the_whole_group_at_once():
+    """As a crash: no SIGTERM and no grace period first, the server and its child gone."""
+    server = VLLMServer(TINY_LLAMA, stop_grace=30)
+    pids = _group_that_ignores_sigterm(server)
+    began = time.monotonic()
+    server.kill()
+    assert time.monotonic() - began < 5, "not after the 30 s grace period"
+    assert len(pids) == 3 and running(pids) == [] and server.process.returncode == -signal.SIGKILL
+
+
+def test_the_registered_layout_is_read_from_the_servers_log(tmp_path):
+    log = tmp_path / "serve.log"
+    log.write_text("INFO starting\n(EngineCore pid=7) INFO [worker.py:97] KVLabConnector: rank 0 of 1 registered a "
+                   "CPU_BLHNC cache of 96 blocks of 32 tokens (one segment per block, copied with memcpy); tiers "
+                   "['memory', 'redis']; cross-layer blocks asked for and granted\n")
+    assert VLLMServer(TINY_LLAMA, log_path=log).registered_layout() == "CPU_BLHNC"
+    log.write_text("INFO starting\n")
+    assert VLLMServer(TINY_LLAMA, log_path=log).registered_layout() is None

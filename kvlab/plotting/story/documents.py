@@ -46,6 +46,16 @@ def every_run(stem: str, results: Path) -> list[dict]:
     return load_results([results / newest[0]["source"]], latest=False)
 
 
+def every_machines_runs(stem: str, results: Path) -> list[dict]:
+    """Every run of ``stem`` on every machine that committed one, oldest first: a reading that
+    sets runs side by side, each naming its hardware (the load test's runs before and after
+    the results' names gained the vector instructions)."""
+    files = sorted(results.glob(f"{stem}-*.jsonl"))
+    if not files:
+        raise FileNotFoundError(f"no {stem}-*.jsonl in {results}: run with measure=True (make run) first")
+    return sorted(load_results(files, latest=False), key=lambda row: row["run_date"] or "")
+
+
 def _accuracy(results: Path) -> list[dict]:
     rows = results_for("04_accuracy", results)
     compared = {name: against_control([r for r in rows if r.get("table") == name])
@@ -129,7 +139,7 @@ REGIONS: dict[str, Callable[[Path], Any]] = {
     "lookups": lambda results: serving.lookups_reading(results_for("03_lookup_scaling", results)),
     "redis-pace": lambda results: serving.pace_reading(results_for("03_redis_pace", results)[0]),
     "concurrency": lambda results: serving.concurrency_reading(results_for("03_concurrency", results)),
-    "load-test": lambda results: serving.load_test_reading(every_run("05_load_test", results)),
+    "load-test": lambda results: serving.load_test_reading(every_machines_runs("05_load_test", results)),
     "roundtrips": lambda results: accuracy_takeaways(results_for("04_roundtrip", results)),
     "accuracy": _accuracy_region,
     "damage": lambda results: accuracy_tables.damage_table(_accuracy(results)),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import statistics
 from typing import Any, Sequence
 
+from kvlab.experiments.load_test import REMOTE_KILL
 from kvlab.plotting.common import as_records, plural
 from kvlab.plotting.story.claims import (Prose, Takeaways, against_target, amount, interval, medians_only, number,
                                          paragraphs, prose, quantity, quoted, span, takeaways, versus)
@@ -18,6 +19,7 @@ MEMORY_BOUND_TARGET = 1.5  # a hit from memory: overhead at most this multiple o
 LOOKUP_TARGET_MS = 1.0
 REDIS_PACE_TARGET = 1.2
 CONCURRENT_TARGET = 0.95  # KVLab's throughput against vLLM's prefix cache at 16 concurrent requests
+KILLED = {"redis": "the Redis server", "mooncake": "the Mooncake master"}  # what a load test's remote-kill SIGKILLs
 
 
 def pace_ratio(row: dict, phase: str) -> Estimate | None:
@@ -289,20 +291,47 @@ def serve_reading(serve: Any) -> Prose:
 
 
 def load_test_reading(runs: Any) -> Prose:
-    """``kvlab loadtest``: every run of it given (the connector under faults, and vLLM's own
-    prefix cache under the same load as the baseline), what failed, what differed from its
-    same-split control, and what the connector counted."""
+    """``kvlab loadtest``: every run of it given (the connector under faults, in its mode, on
+    the layout it registered, with a remote tier's server killed half-way or not, and vLLM's
+    own prefix cache under the same load as the baseline), what failed, what differed from its
+    same-split control, what the connector counted, and around a kill what was hit before it
+    and after it and how long the longest request took."""
     said = []
     for r in as_records(runs):
-        counted, faults = r.get("kvlab") or {}, r.get("faults") or {}
-        injected = (f", a fault injected every {amount(r['fault_interval_s'], 's', 0)} ({sum(faults.values()):,}: "
-                    + ", ".join(f"{kind} {count:,}" for kind, count in faults.items()) + ")" if counted else
-                    ", no connector and no faults (the baseline)")
+        counted = r.get("kvlab") or {}
+        files = {kind: count for kind, count in (r.get("faults") or {}).items() if kind != REMOTE_KILL}
+        injected = (f", a fault injected into the files every {amount(r['fault_interval_s'], 's', 0)} "
+                    f"({sum(files.values()):,}: " + ", ".join(f"{kind} {count:,}" for kind, count in files.items())
+                    + ")" if counted else ", no connector and no faults (the baseline)")
+        setup = ""
+        if counted:
+            layout = f" on a {r['layout']} cache" if r.get("layout") else ""
+            asked = " (cross-layer asked for)" if r.get("cross_layer") else ""
+            remote = (f", tiers memory, shared memory, disk and {r['remote']}, {KILLED[r['remote']]} SIGKILLed "
+                      f"once half the requests were answered" if r.get("remote") else "")
+            setup = f", KVLabConnector in {r.get('mode', 'whole-step')} mode{layout}{asked}{remote}"
         connector = (f" The connector counted {counted['load_errors']:,.0f} failed loads (recomputed), "
                      f"{counted['fallback_loads']:,.0f} loads from a further tier, {counted['cancelled_saves']:,.0f} "
                      f"saves cancelled and {counted['preemptions']:,.0f} preemptions." if counted else "")
+        timing = (f" The longest request took {amount(r['longest_request_s'], 's')}, the run "
+                  f"{amount(r['wall_s'], 's', 0)}." if "longest_request_s" in r else "")
         said.append(f"{r['requests_sent']:,} requests from {r['clients']} clients with a {r['num_gpu_blocks']}-block "
-                    f"KV cache{injected}: {r['failed']:,} failed, {r['differing_tokens']:,} with tokens other than "
-                    f"their same-split control's, {r['within_drift']:,} within its drift (the largest logprob gap "
-                    f"{r['max_gap']:.2g}), {r['hits']:,} prefix hits {quoted([r])}.{connector}")
+                    f"KV cache{setup}{injected}: {r['failed']:,} failed, {r['differing_tokens']:,} with tokens other "
+                    f"than their same-split control's, {r['within_drift']:,} within its drift (the largest logprob gap "
+                    f"{r['max_gap']:.2g}), {r['identical']:,} bitwise, {r['hits']:,} prefix hits {quoted([r])}."
+                    f"{connector}{kill_reading(r)}{timing}")
     return Prose("\n\n".join(said)) if said else prose(None)
+
+
+def kill_reading(run: dict) -> str:
+    """A load test's requests answered before its remote tier's server was killed and those
+    sent after it: their hits, cached tokens and longest wait ("" for a run with no kill)."""
+    before, after = run.get("before_kill"), run.get("after_kill")
+    if not (before and after):
+        return ""
+    across = run["requests_sent"] - before["requests_sent"] - after["requests_sent"]
+    return (f" Before the kill ({amount(run['killed_at_s'], 's', 0)} in) {before['requests_sent']:,} requests were "
+            f"answered, {before['hits']:,} of them hits ({before['cached_tokens']:,} tokens cached), the longest in "
+            f"{amount(before['longest_request_s'], 's')}; after it {after['requests_sent']:,} were sent, "
+            f"{after['hits']:,} hits ({after['cached_tokens']:,} tokens), the longest in "
+            f"{amount(after['longest_request_s'], 's')}; {plural(across, 'request')} in flight across it.")
