@@ -60,16 +60,16 @@ def hybrid_map(hybrid: HybridGeometry, layouts: Sequence[str], owners: Sequence[
     caches = [allocate_hybrid(hybrid, layout, len(owners), "meta") for layout in layouts]
     cells = [{k: v.numpy() for k, v in hybrid_cells(cache, owners, unit).items()} for cache in caches]
     fig, axes = plt.subplots(len(colour_by), len(layouts), squeeze=False, layout="constrained",
-                             figsize=(inches, 1.2 * len(colour_by) + 1.0))
+                             figsize=(inches, (1.2 if inches >= WIDTHS["double"] else 1.8) * len(colour_by) + 1.0))
     for col, (cache, cell) in enumerate(zip(caches, cells)):
         row_cells = cache.placements[0].block_stride // unit
         for row, by in enumerate(colour_by):
             ax = axes[row, col]
-            rgb = _cell_colours(cell, by)
-            if moved is not None:  # the moved blocks solid, the rest faded, as in the atlas's maps
-                still = ~np.isin(cell["block"], list(moved[1]))
-                rgb[still] = 0.25 * rgb[still] + 0.75
-            ax.imshow(rgb.reshape(-1, row_cells, 3), aspect="auto", interpolation="nearest")
+            ax.imshow(_cell_colours(cell, by).reshape(-1, row_cells, 3), aspect="auto", interpolation="nearest")
+            if moved is not None:  # the moved blocks solid, the rest under a white veil, as in the atlas's maps
+                veil = np.zeros((len(cell["block"]), 4))
+                veil[~np.isin(cell["block"], list(moved[1]))] = (1.0, 1.0, 1.0, 0.75)
+                ax.imshow(veil.reshape(-1, row_cells, 4), aspect="auto", interpolation="nearest")
             ax.set_xticks([])
             ax.set_yticks([])
         title = cache.layout
@@ -84,7 +84,7 @@ def hybrid_map(hybrid: HybridGeometry, layouts: Sequence[str], owners: Sequence[
             axes[row, -1].legend(handles=key, title=title, loc="center left", bbox_to_anchor=(1.0, 0.5), **KEY_STYLE)
         else:  # a narrow figure keeps its width for the maps: the key under them
             axes[row, 0].legend(handles=key, title=title, loc="upper left", bbox_to_anchor=(0.0, -0.02),
-                                ncols=min(len(key), 3), **KEY_STYLE)
+                                ncols=min(len(key), 4), **KEY_STYLE)
     figure_title(fig, f"{hybrid.name}: {plural(len(hybrid.groups), 'KV cache group')} over one buffer of "
                       f"{plural(len(owners), 'block')}")
     groups = "; ".join(f"group {i}: {group.describe()}" for i, group in enumerate(hybrid.groups))

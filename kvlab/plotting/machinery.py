@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt
 
 from kvlab.connector.step_order import MODES, PLACES, PREFIX_HIT_PATH, STEP_ORDER, Hop
 from kvlab.plotting.common import (BLUE, DEFAULT_WIDTH, GREEN, GREY, LIGHT_GREY, ORANGE, SKY_BLUE, SMALL, VERMILLION,
-                                   figure_width, paper_figure, wrap)
+                                   WIDTHS, figure_width, paper_figure, wrap)
 from kvlab.plotting.common import title as figure_title
 
 TIERS = ("memory", "shm", "disk", "redis", "mooncake")
@@ -32,6 +32,16 @@ def _box(ax: plt.Axes, x: float, y: float, text: str, width: float, height: floa
     ax.text(x, y, text, ha="center", va="center", fontsize=SMALL, color=ink)
 
 
+def _page_width(width: str | float) -> float:
+    """A diagram's width in inches: the page's (``double``) or wider, since its boxes name
+    connector calls in full; a column's width is refused rather than drawn unreadable."""
+    inches = figure_width(width)
+    if inches < WIDTHS["double"]:
+        raise ValueError(f"the connector's diagrams need the page's width ({WIDTHS['double']} in, width='double'); "
+                         f"got {width!r} ({inches} in)")
+    return inches
+
+
 def _edge(place: str, toward: str, shift: float) -> tuple[float, float]:
     """Where an arrow from ``place`` to ``toward`` leaves ``place``'s box (shifted sideways by
     ``shift``, so that a way back runs beside the way there)."""
@@ -47,7 +57,7 @@ def prefix_hit_figure(path: Sequence[Hop] = PREFIX_HIT_PATH, title: str = "", wi
                       ) -> plt.Figure:
     """The places a prefix hit passes through and the numbered hops between them, each named
     by the connector call that makes it and what it carries (listed under the drawing)."""
-    inches = figure_width(width)
+    inches = _page_width(width)
     fig, ax = plt.subplots(figsize=(inches, 2.6 + 0.16 * len(path)), layout="constrained")
     ax.set_axis_off()
     ax.set(xlim=(0, 1), ylim=(-0.02 - 0.085 * len(path), 1))
@@ -86,7 +96,7 @@ def step_calls_figure(order: dict[str, Sequence] = STEP_ORDER, title: str = "", 
     new chunks, top to bottom in vLLM's order, coloured by side; the per-layer calls of the
     forward bracketed; a filled tag where a call copies KV before it returns, a hollow one
     where it hands the copy to a thread of the connector's."""
-    inches = figure_width(width)
+    inches = _page_width(width)
     modes = [mode for mode in MODES if mode in order]
     rows = max(len(order[mode]) for mode in modes)
     fig, axes = plt.subplots(1, len(modes), figsize=(inches, 0.8 + 0.21 * rows), layout="constrained")
@@ -103,9 +113,10 @@ def step_calls_figure(order: dict[str, Sequence] = STEP_ORDER, title: str = "", 
                                                           facecolor=COPY_COLOURS[kind] if filled else "white",
                                                           edgecolor=COPY_COLOURS[kind], linewidth=1.2))
         layers = [row for row, call in enumerate(calls) if call.per_layer]
-        ax.plot([0.065, 0.05, 0.05, 0.065], [layers[0] - 0.35, layers[0] - 0.35, layers[-1] + 0.35, layers[-1] + 0.35],
+        ax.plot([0.075, 0.06, 0.06, 0.075], [layers[0] - 0.35, layers[0] - 0.35, layers[-1] + 0.35, layers[-1] + 0.35],
                 color="0.3", linewidth=0.8)
-        ax.text(0.02, (layers[0] + layers[-1]) / 2, "×L", ha="center", va="center", fontsize=SMALL, color="0.3")
+        ax.text(0.03, (layers[0] + layers[-1]) / 2, "×L", ha="center", va="center", rotation=90, fontsize=SMALL,
+                color="0.3")
     keys = [matplotlib.patches.Patch(facecolor=SIDE_COLOURS["scheduler"], edgecolor=GREY, label="scheduler side"),
             matplotlib.patches.Patch(facecolor=SIDE_COLOURS["worker"], edgecolor=GREY, label="worker side"),
             matplotlib.patches.Patch(facecolor="white", edgecolor=VERMILLION, label="made by the hooks"),

@@ -76,7 +76,7 @@ def test_the_connector_runs_in_its_mode_on_a_cross_layer_cache_with_the_remote_t
         assert isinstance(redis, RedisServer) and redis.maxmemory_mb == 128
         extra = test.connector_extra(folders, redis)
         config = ConnectorConfig.parse(extra)  # what the engine will be given, checked as it will check it
-    assert config.tier_names == ("memory", "shm", "disk", "redis") and config.redis_url == redis.url
+    assert config.tier_names == ("memory", "shm", "disk", "redis") and config.tier_settings["redis"].url == redis.url
     assert config.layerwise and config.hooks and config.enable_cross_layers_blocks
     assert kv_transfer_config("kvlab", extra)["kv_load_failure_policy"] == "recompute", "a failed load recomputes"
     assert LoadTest(model, tmp_path, connector="none").connector_extra(folders) == {}

@@ -25,7 +25,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from test_paper_figures import FIGURES, LLAMA, committed, ttft_rows  # noqa: E402
+from test_paper_figures import FIGURES, LLAMA, PAGE_WIDE, committed, ttft_rows  # noqa: E402
 
 from kvlab.cache import Holds, Layout, preset, register_layout, unregister_layout  # noqa: E402
 from kvlab.plotting import memory_map, miniature, network_tier_figure, ttft_figure  # noqa: E402
@@ -86,7 +86,8 @@ OTHER_CALLS = {"beyond_mooncake": beyond("mooncake", "Mooncake Store"),
                "beyond_cluster": beyond("redis cluster", "a 3-node Redis Cluster"),
                "ttft_within_a_decade": ttft_within_a_decade}
 DRAWN = {**FIGURES, **MAPS, **OTHER_CALLS}
-CASES = [(name, width) for name in sorted(DRAWN) for width in ("single", "double")]
+CASES = [(name, width) for name in sorted(DRAWN) for width in ("single", "double")
+         if width == "double" or name not in PAGE_WIDE]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{name}-{width}" for name, width in CASES])
@@ -279,7 +280,7 @@ def patch_key_drawn(axes: list[plt.Axes], key: matplotlib.patches.Patch) -> bool
                 return True
         for image in ax.images:
             pixels_drawn = np.asarray(image.get_array())[..., :3].reshape(-1, 3)
-            if colours and np.isclose(pixels_drawn, rgba(colours[0])[:3], atol=1.5 / 255).all(axis=1).any():
+            if np.isclose(pixels_drawn, rgba((colours or [face])[0])[:3], atol=1.5 / 255).all(axis=1).any():
                 return True
     return False
 
@@ -319,7 +320,8 @@ def test_every_legend_entry_stands_for_something_drawn(figure):
 
 def test_no_legend_is_taller_than_the_plots(figure):
     name, width, fig = figure
-    tallest = max(ax.get_window_extent().height for ax in fig.axes if ax.get_visible() and ax.axison)
+    plots = [ax.get_window_extent().height for ax in fig.axes if ax.get_visible() and ax.axison]
+    tallest = max(plots, default=fig.bbox.height)  # a diagram (no axes drawn): the figure itself
     tall = [f"{pixels(legend).height / tallest:.1f}x" for legend in legends(fig) if pixels(legend).height > tallest]
     assert not tall, f"{name} ({width}): a legend taller than the tallest plot: {tall}"
 
@@ -337,7 +339,9 @@ def test_hatching_means_noisy_in_every_figure(figure):
 
 def data_lines(ax: plt.Axes) -> list[matplotlib.lines.Line2D]:
     """The lines that draw data (not reference lines across the axes, not 2-point marks, not
-    whisker caps)."""
+    whisker caps, not a diagram's shapes)."""
+    if not ax.axison:  # a diagram's shapes, not data
+        return []
     return [line for line in ax.lines if line.get_visible() and len(line.get_xdata()) > 2
             and line.get_linestyle() not in ("None", "", " ")
             and line.get_transform() not in (ax.get_xaxis_transform(), ax.get_yaxis_transform())]
