@@ -157,6 +157,9 @@ def compute_threads(log: str) -> int | None:
 
 UNPINNED = "KVLabConnector, vLLM's own thread choice"  # the artefact the pin removes, measured beside it
 STARTUP_TIMEOUT_S = 900.0
+# 16 clients' full prefills queue behind each other on the "no cache" server: on a 2-core AVX2
+# machine computing bf16 (vLLM's default for an fp32 folder) a request waits past the usual 300 s
+REQUEST_TIMEOUT_S = 1800.0
 
 
 def concurrency_sweep(model: str, ids: list[int], levels: tuple[int, ...] = CONCURRENCY, repeats: int = 3,
@@ -188,7 +191,7 @@ def concurrency_sweep(model: str, ids: list[int], levels: tuple[int, ...] = CONC
         raise ValueError(f"need {span + requests + suffix_tokens} token ids, got {len(ids)}")
     heads = [ids[i * prefix_tokens:(i + 1) * prefix_tokens] for i in range(prefixes)]
     # vLLM's defaults compile the model at start-up: minutes on a small, busy machine
-    common = {"vllm_defaults": True, "startup_timeout": STARTUP_TIMEOUT_S}
+    common = {"vllm_defaults": True, "startup_timeout": STARTUP_TIMEOUT_S, "request_timeout": REQUEST_TIMEOUT_S}
     servers = {
         "KVLabConnector": VLLMServer(model, "kvlab", {}, env=SAME_THREADS, **common),
         "vLLM prefix cache": VLLMServer(model, "none", env=SAME_THREADS, **common),
