@@ -202,3 +202,14 @@ def test_the_load_test_reading_names_the_mode_the_layout_and_the_remote_tier_kil
     older = str(load_test_reading([{**run, "faults": {"shm-vanish": 3, "disk-damage": 3, "disk-vanish": 2}}]))
     assert "KVLabConnector in whole-step mode, a fault injected" in older
     assert "kill" not in older and "longest" not in older
+
+
+def test_a_concurrency_ratio_says_when_its_servers_threads_were_not_recorded():
+    from kvlab.plotting.story.serving import concurrency_point
+
+    row = {"concurrency": 16, "throughput_rps": 60.0}
+    old = [{**row, "server": "KVLabConnector"}, {**row, "server": "vLLM prefix cache", "throughput_rps": 40.0}]
+    assert "did not record the cores" in concurrency_point(old)
+    pinned = [{**r, "compute_threads": 1} for r in old]
+    assert "did not record" not in concurrency_point(pinned) and "thread counts" not in concurrency_point(pinned)
+    assert "measures the threads" in concurrency_point([{**pinned[0], "compute_threads": 2}, pinned[1]])

@@ -258,6 +258,10 @@ def concurrency_point(concurrency: Any, level: int = 16) -> str | None:
     if ours.get("compute_threads") and ours.get("compute_threads") != theirs.get("compute_threads"):
         judged += (" The two servers computed on different thread counts, so this ratio measures the threads, "
                    "not the connector.")
+    elif not ours.get("compute_threads"):  # a run from before the sweep pinned and recorded its threads
+        judged += (" This run did not record the cores each server computed on: with a connector configured, vLLM's "
+                   "CPU worker reserves no core on a machine this small and computes on every one, vLLM's own "
+                   "prefix cache on one fewer, so the ratio may measure the cores, not the connector.")
     return judged
 
 
