@@ -1,7 +1,8 @@
 """Where offloaded KV is kept: checked chunks (kvlab.store.chunk) under chained keys
 (kvlab.store.keys), in tiers behind one protocol and a registry (kvlab.store.tiers: memory,
-shm, disk, redis, mooncake, each with its settings) composed by :class:`KVStore`. Needs
-torch only (redis-py for the Redis tier); docs/reliability.md says what it promises."""
+shm, disk, redis (a server or a Redis Cluster) and mooncake (a Mooncake Store), each with its
+settings) composed by :class:`KVStore`. Needs torch only, plus redis-py for the redis tier and
+Mooncake's client for the mooncake tier; docs/reliability.md says what it promises."""
 
 from kvlab.store.chunk import Chunk, ForgedChunk, checksum, from_bytes, to_bytes
 from kvlab.store.faults import FailedCheck, StoreFault, is_store_fault
