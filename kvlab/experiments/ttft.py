@@ -270,31 +270,6 @@ def layouts_in_the_engine(model: str, prompts: list[list[int]], redis: Any, dtyp
     return rows
 
 
-def layout_verdict(rows: list[dict]) -> str:
-    """Which hand-over wins inside the engine and by how much, from rows of
-    :func:`layouts_in_the_engine`: per mode and tier, each one's overhead over vLLM's
-    own prefix hit, their copy times, and for layerwise modes the share of the copying
-    hidden behind compute."""
-    by = {(r["layout"], r["mode"], r["tier"]): r for r in rows if isinstance(r.get("hand_over"), str)}
-    lines = []
-    for mode in CONNECTOR_MODES:
-        for tier in ("memory", "Redis"):
-            per, cross = by.get(("LBHNC", mode, tier)), by.get(("BLHNC", mode, tier))
-            if per is None or cross is None:
-                continue
-            faster = "cross-layer" if cross["overhead_s"] < per["overhead_s"] else "per-layer"
-            line = (f"{mode}, {tier}: overhead over the prefix hit {1e3 * per['overhead_s']:.1f} ms per-layer, "
-                    f"{1e3 * cross['overhead_s']:.1f} ms cross-layer ({faster} lower by "
-                    f"{1e3 * abs(per['overhead_s'] - cross['overhead_s']):.1f} ms); copy {1e3 * per['copy_s']:.1f} "
-                    f"vs {1e3 * cross['copy_s']:.1f} ms in {per['segments_per_chunk']:.0f} vs "
-                    f"{cross['segments_per_chunk']:.0f} segments per chunk")
-            if mode != "whole-step":
-                line += (f"; hidden behind compute {100 * per['hidden_share']:.0f}% per-layer, "
-                         f"{100 * cross['hidden_share']:.0f}% cross-layer")
-            lines.append(line)
-    return "\n".join(lines)
-
-
 BACKEND_VARIANTS = {"plain CPU_ATTN": {"kvlab_backend": False}, "kvlab backend, LBHNC": {},
                     "kvlab backend, BLHNC": {"kv_cache_layout": "BLHNC"}}
 

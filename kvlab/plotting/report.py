@@ -20,6 +20,7 @@ import copy
 import datetime
 import sys
 from dataclasses import dataclass
+from html import escape
 from pathlib import Path
 from typing import Any
 
@@ -264,35 +265,30 @@ def _readable(node: nbformat.NotebookNode) -> nbformat.NotebookNode:
     return node
 
 
+def _banner(found: list, heading: str, note: str) -> str:
+    """An alert above the report listing each (notebook, what) in ``found``; "" when none."""
+    if not found:
+        return ""
+    items = "".join(f"<li><a href='#{n.path.stem}'>{escape(n.path.name)}</a> {escape(what)}</li>" for n, what in found)
+    return (f"<div class='kvlab-errors' role='alert'><h2>{len(found)} {heading}</h2><p>{note}</p>"
+            f"<ul>{items}</ul></div>")
+
+
 def _header(notebooks: list[ExecutedNotebook], results_dir: Path,
             headings: list[list[tuple[int, str, str]]]) -> str:
-    from html import escape
-
     from kvlab.results import fingerprint, load_results
 
     errors = [(n, error) for n in notebooks for error in n.errors()]
     missing = [(n, cell) for n in notebooks for cell in n.missing_figures()]
     undescribed = [(n, cell) for n in notebooks for cell in n.undescribed_images()]
     stderr = [(n, line) for n in notebooks for line in n.stderr()]
-    banner = ""
-    if errors:
-        items = "".join(f"<li><a href='#{n.path.stem}'>{escape(n.path.name)}</a> {escape(e)}</li>" for n, e in errors)
-        banner = (f"<div class='kvlab-errors' role='alert'><h2>{len(errors)} error output(s): this run failed</h2>"
-                  f"<p>The errors are left out of the page below; read them in the executed notebooks.</p>"
-                  f"<ul>{items}</ul></div>")
-    if missing:
-        items = "".join(f"<li><a href='#{n.path.stem}'>{escape(n.path.name)}</a> {escape(c)}</li>" for n, c in missing)
-        banner += (f"<div class='kvlab-errors' role='alert'><h2>{len(missing)} cell(s) saved a figure they do not "
-                   f"show</h2><p>Those figures are in data/figures but not on this page.</p><ul>{items}</ul></div>")
-    if undescribed:
-        items = "".join(f"<li><a href='#{n.path.stem}'>{escape(n.path.name)}</a> {escape(c)}</li>" for n, c in undescribed)
-        banner += (f"<div class='kvlab-errors' role='alert'><h2>{len(undescribed)} image(s) without a description"
-                   f"</h2><p>A figure saved with kvlab.plotting.save_figure is shown with its caption and alt text."
-                   f"</p><ul>{items}</ul></div>")
-    if stderr:
-        items = "".join(f"<li><a href='#{n.path.stem}'>{escape(n.path.name)}</a> {escape(c)}</li>" for n, c in stderr)
-        banner += (f"<div class='kvlab-errors' role='alert'><h2>{len(stderr)} stderr output(s)</h2><p>Log lines and "
-                   f"warnings a cell let through, left out of the page below.</p><ul>{items}</ul></div>")
+    banner = "".join(_banner(found, heading, note) for found, heading, note in (
+        (errors, "error output(s): this run failed", "The errors are left out of the page below; read them in the "
+         "executed notebooks."),
+        (missing, "cell(s) saved a figure they do not show", "Those figures are in data/figures but not on this page."),
+        (undescribed, "image(s) without a description", "A figure saved with kvlab.plotting.save_figure is shown with "
+         "its caption and alt text."),
+        (stderr, "stderr output(s)", "Log lines and warnings a cell let through, left out of the page below.")))
     profiles = sorted({n.profile for n in notebooks})
     starts = [n.started for n in notebooks if n.started]
     ends = [n.ended for n in notebooks if n.ended]
@@ -317,8 +313,6 @@ def _header(notebooks: list[ExecutedNotebook], results_dir: Path,
 def _measured_on(rows: list[dict[str, Any]]) -> str:
     """Each machine the results come from, with each profile it ran and the experiments
     measured so: what every figure's footer says, gathered in one place."""
-    from html import escape
-
     experiments: dict[str, dict[str, set[str]]] = {}
     for row in rows:
         if row.get("hardware"):
@@ -331,8 +325,6 @@ def _measured_on(rows: list[dict[str, Any]]) -> str:
 
 
 def _contents_entry(notebook: ExecutedNotebook, headings: list[tuple[int, str, str]]) -> str:
-    from html import escape
-
     run = (f"{notebook.profile}, {'measured' if notebook.measured else 'redrawn from committed results'}, "
            f"{_date(notebook.started) if notebook.started else 'date unknown'}, "
            f"{_duration(notebook.duration_s) if notebook.duration_s is not None else 'duration unknown'}")

@@ -57,9 +57,9 @@ def test_unknown_extra_engines_are_refused_before_any_engine(tmp_path):
         ttft_scenarios("no-such-model", [[1, 2, 3]], tmp_path, extras=("checked", "forked"))
 
 
-def test_the_engine_layout_runs_refuse_bad_input_and_say_who_wins(tmp_path: Path) -> None:
+def test_the_engine_layout_runs_refuse_bad_input(tmp_path: Path) -> None:
     from kvlab.experiments.tasks import book_prompts
-    from kvlab.experiments.ttft import layout_verdict, layouts_in_the_engine
+    from kvlab.experiments.ttft import layouts_in_the_engine
     from kvlab.runtime.redis import RedisServer
 
     with pytest.raises(ValueError, match=r"unknown layouts or modes \['LBNHC'\]"):
@@ -70,21 +70,6 @@ def test_the_engine_layout_runs_refuse_bad_input_and_say_who_wins(tmp_path: Path
         RedisServer(log_path=tmp_path / "r.log").database(16)
     with pytest.raises(ValueError, match="would overlap"):
         book_prompts(str(tmp_path), 2, 3000)
-
-    def row(layout: str, mode: str, tier: str, overhead: float, copy: float, wait: float | None) -> dict:
-        return {"layout": layout, "hand_over": {"LBHNC": "per-layer", "BLHNC": "cross-layer"}[layout], "mode": mode,
-                "tier": tier, "overhead_s": overhead, "copy_s": copy, "wait_s": wait,
-                "hidden_share": None if wait is None else 1 - wait / copy, "segments_per_chunk": 240 if layout == "LBHNC" else 8}
-
-    verdict = layout_verdict([row("LBHNC", "whole-step", "memory", 0.012, 0.008, None),
-                              row("BLHNC", "whole-step", "memory", 0.009, 0.005, None),
-                              row("LBHNC", "layerwise", "Redis", 0.020, 0.010, 0.002),
-                              row("BLHNC", "layerwise", "Redis", 0.025, 0.010, 0.005)])
-    assert verdict.splitlines() == [
-        "whole-step, memory: overhead over the prefix hit 12.0 ms per-layer, 9.0 ms cross-layer (cross-layer lower by "
-        "3.0 ms); copy 8.0 vs 5.0 ms in 240 vs 8 segments per chunk",
-        "layerwise, Redis: overhead over the prefix hit 20.0 ms per-layer, 25.0 ms cross-layer (per-layer lower by "
-        "5.0 ms); copy 10.0 vs 10.0 ms in 240 vs 8 segments per chunk; hidden behind compute 80% per-layer, 50% cross-layer"]
 
 
 def test_engine_settings_that_cannot_work_are_refused_before_any_engine(tmp_path: Path) -> None:
