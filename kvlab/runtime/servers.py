@@ -7,7 +7,7 @@ core), so nothing is left running even when the code inside the block fails. The
 output goes to ``server.log_path``; start-up errors quote its tail. That life cycle
 (:class:`ManagedServer`) is shared with kvlab.runtime.lmcache's ``lmcache server``.
 
-The engine runs on the same pinned threads as kvlab.testing.engine, in vLLM's default
+The engine runs on the same pinned threads as kvlab.harness.engine, in vLLM's default
 process layout: the API server, the engine core (the connector's scheduler side) and the
 worker (the connector's worker side, with the KV) are three processes.
 """
@@ -328,7 +328,7 @@ class VLLMServer(ManagedServer):
         return args + list(self.args)
 
     def environment(self) -> dict[str, str]:
-        """The pinned threads of kvlab.testing.engine, in vLLM's own process layout (API
+        """The pinned threads of kvlab.harness.engine, in vLLM's own process layout (API
         server, engine core and worker apart), whatever the connector."""
         if self.vllm_defaults:
             return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": pinned_env()["VLLM_CPU_KVCACHE_SPACE"], **self.env}

@@ -13,11 +13,11 @@ import torch
 
 from kvlab.cache import ModelGeometry
 from kvlab.connector.config import ConnectorConfig
+from kvlab.harness.chunks import random_chunk, same_chunk
 from kvlab.runtime.redis import RedisError
 from kvlab.runtime.redis_cluster import RedisCluster, nodes_of
 from kvlab.store import KVStore
 from kvlab.store.tiers import RedisTier, StoreStats
-from kvlab.testing.chunks import random_chunk, same_chunk
 
 GEOMETRY = ModelGeometry("cluster-test", 4, 2, 64, torch.bfloat16, 16)  # 32 KiB per block
 chunk = partial(random_chunk, GEOMETRY, blocks=4, salt="r")
