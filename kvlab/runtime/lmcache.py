@@ -43,7 +43,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,24 +65,20 @@ class LMCacheServer(ManagedServer):
     ``chunk_size``: tokens per stored chunk, a multiple of the engines' block size.
     ``l1_size_gb``: its memory tier (LRU eviction). ``port`` (the engines' ZMQ port) and
     ``http_port`` (its admin API, used for health checks) None pick free ones.
-    ``log_path`` None writes the log into a new temporary file, kept after the server
-    stops. ``executable`` None is the ``lmcache`` command of this interpreter's
+    ``log_path``: :class:`ManagedServer`. ``executable`` None is the ``lmcache`` command of this interpreter's
     environment, else the one on PATH.
     """
 
     chunk_size: int = 32
     l1_size_gb: float = 0.5
-    port: int | None = None
     http_port: int | None = None
-    log_path: str | Path | None = None
     executable: str | Path | None = None
-    startup_timeout: float = 60.0  # it answers after about 5 s
-    stop_grace: float = 10.0  # seconds between SIGTERM and SIGKILL
     env: dict[str, str] = field(default_factory=dict)  # overrides on top of os.environ
-    process: subprocess.Popen | None = field(default=None, init=False, repr=False)
-    startup_seconds: float | None = field(default=None, init=False)
     dtype: str | None = field(default=None, init=False)  # of the KV it serves: the first engine config's
     models: list[str] = field(default_factory=list, init=False)  # engine models it served
+    _: KW_ONLY
+    startup_timeout: float = 60.0  # it answers after about 5 s
+    stop_grace: float = 10.0
 
     error = LMCacheError
     label = "lmcache server"
