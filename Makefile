@@ -24,8 +24,8 @@ test-extended: env
 
 # KVLabConnector's driver-level tests against the newest vLLM's code (requirements/vllm-next.txt,
 # put in front of .venv's packages by scripts/setup-vllm-next), on the CPU; CI runs it too.
-CONFORMANCE := tests/conformance tests/connector tests/testing/test_driver.py tests/testing/test_worker_calls.py \
-               tests/testing/test_call_recorder.py
+CONFORMANCE := tests/conformance tests/connector tests/harness/test_driver.py tests/harness/test_worker_calls.py \
+               tests/harness/test_call_recorder.py
 conformance: env
 	@bash scripts/setup-vllm-next
 	PYTHONPATH=.venv-vllm-next $(PY) -m pytest -n 2 --dist loadgroup -m "not extended" $(CONFORMANCE)

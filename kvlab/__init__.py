@@ -7,7 +7,7 @@ The subpackages, in dependency order (each imports only those before it):
 - ``kvlab.store``: chunks, keys, tiers behind one protocol (torch only)
 - ``kvlab.hooks`` (torch only) and ``kvlab.connector`` (vLLM; its worker side torch only): layerwise hooks, KVLabConnector
 - ``kvlab.runtime``: child processes, servers, model folders
-- ``kvlab.testing``: harnesses: the connector driven without an engine, engines run through phases
+- ``kvlab.harness``: the experiments' harness: engines run through phases, the connector driven without an engine
 - ``kvlab.experiments`` and ``kvlab.results``: what the notebooks measure, and its files
 - ``kvlab.plotting``: one module of figures per notebook
 

@@ -19,8 +19,8 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
                           str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 # kvlab imports torch: only after the thread count above is set
+from kvlab.harness.compare import SPLIT_DRIFT, same_outputs  # noqa: E402
 from kvlab.results import COMMITTED_RESULTS_ENV, committed_results_dir  # noqa: E402
-from kvlab.testing.compare import SPLIT_DRIFT, same_outputs  # noqa: E402
 
 
 def _data_as_committed() -> None:
@@ -186,7 +186,7 @@ def running(pids: list[int]) -> list[int]:
 
 
 
-# ---- comparing engine runs (kvlab.testing.engine results, kvlab.testing.compare) ------------------------------------
+# ---- comparing engine runs (kvlab.harness.engine results, kvlab.harness.compare) ------------------------------------
 def hits(result: dict, phase: str) -> list[int]:
     """Prompt tokens each prompt of a phase found cached (vLLM's prefix cache or a connector)."""
     return [row["cached_tokens"] for row in result["phases"][phase]]
@@ -208,7 +208,7 @@ def bitwise(a: dict, b: dict, phase_a: str, phase_b: str) -> bool:
 def within_split_drift(a: dict, b: dict, phase_a: str, phase_b: str) -> bool:
     """For two phases that split the prefill differently (a hit computes only the suffix, a
     cold run the whole prompt): chosen-token logprobs within SPLIT_DRIFT up to and including
-    any near-tie the drift flipped (kvlab.testing.compare.gap_through_divergence)."""
+    any near-tie the drift flipped (kvlab.harness.compare.gap_through_divergence)."""
     return same_outputs(a, b, phase_a, phase_b)["max_gap_through_divergence"] <= SPLIT_DRIFT
 
 

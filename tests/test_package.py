@@ -14,7 +14,7 @@ import kvlab
 
 PACKAGE = Path(kvlab.__file__).parent
 # Dependency order: each may import only itself and those before it.
-ORDER = ["cache", "transfer", "store", "hooks", "connector", "runtime", "testing", "results", "experiments", "plotting", "cli"]
+ORDER = ["cache", "transfer", "store", "hooks", "connector", "runtime", "harness", "results", "experiments", "plotting", "cli"]
 
 
 def imports() -> dict[str, set[str]]:

@@ -5,7 +5,7 @@ Load it with ``kv_connector="KVLabConnector"``, ``kv_connector_module_path="kvla
 The scheduler side owns the index (scheduler, index), the workers own the KV (worker),
 and they exchange only keys and block ids (messages). ``kvlab.connector.vllm_views`` builds vLLM's own per-layer views; ``kvlab.connector.backend``
 is kvlab's CPU attention backend (a vLLM plugin) that reads block-major caches and calls
-kvlab.hooks from its forward. ``kvlab.testing.driver`` drives the connector as vLLM's
+kvlab.hooks from its forward. ``kvlab.harness.driver`` drives the connector as vLLM's
 scheduler and each runner generation do, without an engine.
 """
 

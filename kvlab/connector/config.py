@@ -49,7 +49,7 @@ class ConnectorConfig:
     auth_key: str | None = None
     store_name: str = "default"  # names the shared-memory folder and this process's counters
     # raise, instead of recomputing, an error of a load or a save that is not the store's fault
-    # (kvlab.store.faults: a bug must not look like a recompute); kvlab.testing's engines and driver set it
+    # (kvlab.store.faults: a bug must not look like a recompute); kvlab.harness's engines and driver set it
     strict: bool = False
     # each tier's settings (kvlab.store.tiers.TierSettings, None for a tier that takes none), from its dictionary
     tier_settings: Mapping[str, TierSettings | None] = field(default_factory=dict, hash=False)

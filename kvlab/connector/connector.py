@@ -101,7 +101,7 @@ class KVLabConnector(KVConnectorBase_V1):
 
     def act_as_rank(self, rank: int, workers: int) -> None:
         """Worker side: be tensor-parallel rank ``rank`` of ``workers``, which a worker
-        process otherwise learns from vLLM's parallel state (kvlab.testing.driver runs several
+        process otherwise learns from vLLM's parallel state (kvlab.harness.driver runs several
         ranks in one process), with a memory tier of its own, as if in a process of its own."""
         if not 0 <= rank < workers:
             raise ValueError(f"rank {rank} is not one of {workers} workers")

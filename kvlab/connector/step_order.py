@@ -1,6 +1,6 @@
 """What vLLM asks of KVLabConnector in one engine step, in whole-step, layerwise and hooks
 mode, and the path a prefix hit takes: the data the machinery diagrams draw
-(kvlab.plotting.machinery). A test records a real engine step's calls (kvlab.testing.call_recorder,
+(kvlab.plotting.machinery). A test records a real engine step's calls (kvlab.harness.call_recorder,
 tests/integration/test_backend_engine.py) and compares them with this data, so the diagrams
 cannot drift from the code. Plain data: imports neither vLLM nor torch."""
 

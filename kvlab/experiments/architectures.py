@@ -13,10 +13,10 @@ from typing import Any, Sequence
 
 from kvlab.experiments.paths import Reuse
 from kvlab.experiments.ttft import run_any_engine
+from kvlab.harness.compare import same_outputs
+from kvlab.harness.engine import CPU_MLA_BLOCK_SIZE, EngineSpec
 from kvlab.runtime.models import model_path
 from kvlab.runtime.progress import progress
-from kvlab.testing.compare import same_outputs
-from kvlab.testing.engine import CPU_MLA_BLOCK_SIZE, EngineSpec
 
 ARCHITECTURE_MODELS = ("smollm2-135m-instruct-fp32", "mini-qwen2", "mini-qwen3-moe", "mini-deepseek-v2")
 # Token ids every vocabulary has: two prompts of 200 and 170 tokens.

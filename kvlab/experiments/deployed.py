@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.experiments.paths import Reuse
+from kvlab.harness.compare import same_outputs, summarize
+from kvlab.harness.engine import EngineSpec, check_inputs, run_engine
 from kvlab.runtime.progress import progress
-from kvlab.testing.compare import same_outputs, summarize
-from kvlab.testing.engine import EngineSpec, check_inputs, run_engine
 
 SAVE_REFERENCE_BYTES = 43.6 * 2**20  # a 2000-token SmolLM2 bf16 prefix: the unit for save blocking
 # The targets for the deployed connector (:func:`targets`)

@@ -16,9 +16,9 @@ from typing import Any, Sequence
 from kvlab.experiments.paths import Reuse
 from kvlab.experiments.tasks import GSMTask, GymTask, book_text, text_windows
 from kvlab.experiments.ttft import run_any_engine
+from kvlab.harness.compare import first_difference, same_outputs
+from kvlab.harness.engine import EngineSpec, check_inputs, run_engine
 from kvlab.runtime.progress import progress
-from kvlab.testing.compare import first_difference, same_outputs
-from kvlab.testing.engine import EngineSpec, check_inputs, run_engine
 
 RECOMPUTE, CONTROL = Reuse.RECOMPUTE.label, Reuse.VLLM_PREFIX_HIT.label
 

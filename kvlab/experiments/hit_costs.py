@@ -1,4 +1,4 @@
-"""What one hit costs the connector, measured in this process (kvlab.testing.driver drives
+"""What one hit costs the connector, measured in this process (kvlab.harness.driver drives
 it as vLLM would): where a whole-step hit's milliseconds go, call by call; a scheduler's
 lookup against the chunks a tier stores, and what lookups keep in memory; a Redis load
 against the server's own pace. Notebook 05, "How the costs grow"."""
@@ -49,14 +49,14 @@ def without_auth_key_advice() -> Iterator[None]:
 def overhead_profile(geometry: ModelGeometry, tokens: int = 2000, repeats: int = 15, method: str = "auto",
                      layout: str = "CPU_LBHNC", extra: dict | None = None) -> list[dict]:
     """Where a whole-step hit of a ``tokens``-token prefix spends its time, every connector
-    call timed as vLLM makes them (kvlab.testing.driver, in this process): the scheduler's
+    call timed as vLLM makes them (kvlab.harness.driver, in this process): the scheduler's
     calls, the worker's, and within ``start_load_kv`` the copy itself
     (``load_work_seconds``). One row per call: its median milliseconds per hit request over
     ``repeats``; then the copy, the rest of the load, the total, and the STREAM-style copy
     of the loaded bytes (the bound). ``extra``: the connector's settings (memory alone by
     default; e.g. ``{"tiers": ["disk"], "disk": {"path": ...}}``)."""
     from kvlab.connector import reset_stores
-    from kvlab.testing.driver import connector_pair, prefill, register, settle
+    from kvlab.harness.driver import connector_pair, prefill, register, settle
 
     if tokens < 2 * geometry.block_size or repeats < 1:
         raise ValueError(f"need at least two blocks of tokens ({2 * geometry.block_size}) and one repeat, "
@@ -149,7 +149,7 @@ def lookup_scaling(workdir: str | Path, redis_url: str | None, stored: tuple[int
 def _store_prompt(extra: dict, prompt: list[int]) -> str:
     """Store the prompt's chunks through a connector (as an engine would); the workers'
     cache signature."""
-    from kvlab.testing.driver import connector_pair, prefill
+    from kvlab.harness.driver import connector_pair, prefill
 
     scheduler, worker = _engine(extra, connector_pair)
     blocks = len(prompt) // SCALE_GEOMETRY.block_size + 1
@@ -159,7 +159,7 @@ def _store_prompt(extra: dict, prompt: list[int]) -> str:
 
 def _engine(extra: dict, connector_pair: Any) -> tuple[Any, Any]:
     from kvlab.connector import reset_stores
-    from kvlab.testing.driver import register, settle
+    from kvlab.harness.driver import register, settle
 
     reset_stores()
     blocks = 4096 // SCALE_GEOMETRY.block_size + 8
@@ -187,8 +187,8 @@ def _store_settings(extra: dict) -> dict:
 
 
 def _time_lookups(extra: dict, prompt: list[int], repeats: int, fresh: int) -> dict:
+    from kvlab.harness.driver import connector_pair, vllm_request
     from kvlab.store import KVStore
-    from kvlab.testing.driver import connector_pair, vllm_request
 
     startup = []
     for _ in range(3):

@@ -17,9 +17,9 @@ from kvlab.cache.devices import check_fits, resolve_device
 from kvlab.cache.geometry import ModelGeometry, dtype_name, resolve_model
 from kvlab.cache.segments import scattered_block_ids
 from kvlab.experiments.timing import Clock, check_positive_int, interleaved
+from kvlab.harness.spread import ratio
 from kvlab.results import append_results, start_run
 from kvlab.runtime.progress import progress
-from kvlab.testing.spread import ratio
 from kvlab.transfer.engine import Transfer, host_buffer
 from kvlab.transfer.layerwise import LayerwiseLoad
 

@@ -10,7 +10,7 @@ its gsm8k-cot task does) instead of its own random draw, so the problems share t
 few-shot prefix and a connector has something to serve.
 
 Each evaluation runs in a new process (``python -m kvlab.experiments.lmeval``) with
-kvlab.runtime.processes.pinned_env(), for kvlab.testing.engine's reasons: one process (the quickest start),
+kvlab.runtime.processes.pinned_env(), for kvlab.harness.engine's reasons: one process (the quickest start),
 the same threads for every run compared. Imports lm_eval and vLLM only in that process.
 """
 

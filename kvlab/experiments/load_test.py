@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kvlab.experiments.ttft import CONNECTOR_MODES
+from kvlab.harness.compare import SPLIT_DRIFT, first_difference, gap_through_divergence
+from kvlab.harness.engine import EngineSpec, run_engine
 from kvlab.runtime.progress import progress
-from kvlab.testing.compare import SPLIT_DRIFT, first_difference, gap_through_divergence
-from kvlab.testing.engine import EngineSpec, run_engine
 
 FAULTS = ("shm-vanish", "disk-damage", "disk-vanish")
 REMOTE_KILL = "remote-kill"  # the remote tier's server SIGKILLed once, half-way

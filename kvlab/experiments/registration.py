@@ -1,5 +1,5 @@
 """Per-layer against cross-layer hand-over through KVLabConnector, driven exactly as each
-vLLM generation registers its cache (kvlab.testing.driver): save then load one prompt,
+vLLM generation registers its cache (kvlab.harness.driver): save then load one prompt,
 count segments and time both. Imports vLLM."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import statistics
 
 from kvlab.cache.geometry import ModelGeometry
-from kvlab.testing.driver import connector_pair, prefill, register
+from kvlab.harness.driver import connector_pair, prefill, register
 
 
 def registration_costs(geometry: ModelGeometry, tokens: int, ways: list[str], repeats: int = 3) -> list[dict]:

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from kvlab.experiments.sweep import ceiling_copy
+from kvlab.harness.compare import same_outputs
+from kvlab.harness.engine import EngineSpec, check_inputs, run_engine
 from kvlab.runtime.progress import progress
-from kvlab.testing.compare import same_outputs
-from kvlab.testing.engine import EngineSpec, check_inputs, run_engine
 
 CONCURRENCY = (1, 4, 16, 32)
 SHARED_TIERS = ("shm", "disk", "redis")

@@ -9,20 +9,20 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.experiments.paths import Reuse
+from kvlab.harness.compare import same_outputs, summarize
+from kvlab.harness.engine import EngineSpec, check_inputs, run_engine
+from kvlab.harness.spread import SAMPLES_KEY, row_difference
 from kvlab.runtime.progress import progress
-from kvlab.testing.compare import same_outputs, summarize
-from kvlab.testing.engine import EngineSpec, check_inputs, run_engine
-from kvlab.testing.spread import SAMPLES_KEY, row_difference
 
 
 def run_any_engine(spec: EngineSpec, prompts: list[list[int]], lmcache: Any = None, **options: Any) -> dict:
-    """:func:`run_engine`, or for the "lmcache" connector kvlab.testing.lmcache.run_on_server on the
+    """:func:`run_engine`, or for the "lmcache" connector kvlab.harness.lmcache.run_on_server on the
     ``lmcache`` server (checked before the engine starts; a dead server is named)."""
     if spec.connector != "lmcache":
         return run_engine(spec, prompts, **options)
     if lmcache is None:
         raise ValueError("the lmcache connector needs a running kvlab.runtime.lmcache.LMCacheServer")
-    from kvlab.testing.lmcache import run_on_server
+    from kvlab.harness.lmcache import run_on_server
 
     return run_on_server(lmcache, spec, prompts, **options)
 

@@ -19,12 +19,11 @@ import os
 import secrets
 import shutil
 import signal
-import subprocess
 import sys
 import urllib.error
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -49,19 +48,16 @@ class JupyterLab(ManagedServer):
     ``lab_url(...)``. ``extra_args`` go to ``jupyter lab`` as they are (e.g.
     ``--ServerApp.shutdown_no_activity_timeout=3600``); ``env`` (e.g.
     ``JUPYTERLAB_SETTINGS_DIR``) keeps a test's JupyterLab off the user's settings.
-    ``log_path`` None writes the log into a new temporary file, kept after the server stops.
+    ``port`` and ``log_path``: :class:`ManagedServer`.
     """
 
     notebooks_dir: str | Path
-    port: int | None = None
     token: str | None = None
     extra_args: Sequence[str] = ()
     env: dict[str, str] = field(default_factory=dict)  # overrides on top of os.environ
-    log_path: str | Path | None = None
+    _: KW_ONLY
     startup_timeout: float = 90.0  # about 5 s on an idle 2-core machine
-    stop_grace: float = 15.0  # seconds between SIGTERM and SIGKILL: time to shut the kernels down
-    process: subprocess.Popen | None = field(default=None, init=False, repr=False)
-    startup_seconds: float | None = field(default=None, init=False)
+    stop_grace: float = 15.0  # time to shut the kernels down
 
     error = LabError
     label = "jupyterlab"

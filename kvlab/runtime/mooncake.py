@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -55,18 +54,12 @@ class MooncakeMaster(ManagedServer):
     """``mooncake_master``: its RPC ``port``, the HTTP metadata server clients register
     with (``metadata_port``) and its metrics (``metrics_port``); None picks free ones."""
 
-    port: int | None = None
     metadata_port: int | None = None
     metrics_port: int | None = None
     lease_ms: int = 200
     high_watermark: float = 0.9
     eviction_ratio: float = 0.2
     client_ttl_s: int = 3  # a client silent this long is dropped with its segment
-    log_path: str | Path | None = None
-    startup_timeout: float = 20.0
-    stop_grace: float = 5.0
-    process: subprocess.Popen | None = field(default=None, init=False, repr=False)
-    startup_seconds: float | None = field(default=None, init=False)
 
     error: ClassVar[type[RuntimeError]] = MooncakeError
     label: ClassVar[str] = "mooncake master"
@@ -128,12 +121,6 @@ class MooncakeSegment(ManagedServer):
 
     master: MooncakeMaster
     segment_mb: int = 256
-    port: int | None = None
-    log_path: str | Path | None = None
-    startup_timeout: float = 20.0
-    stop_grace: float = 5.0
-    process: subprocess.Popen | None = field(default=None, init=False, repr=False)
-    startup_seconds: float | None = field(default=None, init=False)
 
     error: ClassVar[type[RuntimeError]] = MooncakeError
     label: ClassVar[str] = "mooncake segment"

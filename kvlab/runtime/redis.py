@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,21 +33,14 @@ class RedisError(ServerError):
 @dataclass
 class RedisServer(ManagedServer):
     """``redis-server`` usable as a context manager. ``maxmemory_mb`` bounds it (least
-    recently used keys go first); ``port`` None picks a free one; ``log_path`` None
-    writes the log into a new temporary file, kept after the server stops."""
+    recently used keys go first); ``port`` and ``log_path``: :class:`ManagedServer`."""
 
     maxmemory_mb: int = 512
-    port: int | None = None
-    log_path: str | Path | None = None
     executable: str | None = None
-    startup_timeout: float = 20.0
-    stop_grace: float = 5.0
     # a folder of new_password_folder() that other servers share (a cluster's nodes), which its
     # maker removes; None: a new one of its own at each start, removed when it stops
     secret_dir: Path | None = field(default=None, repr=False)
     args: tuple[str, ...] = ()  # more redis-server options, e.g. a cluster node's
-    process: subprocess.Popen | None = field(default=None, init=False, repr=False)
-    startup_seconds: float | None = field(default=None, init=False)
     _owns_secret: bool = field(default=False, init=False, repr=False)
 
     error = RedisError

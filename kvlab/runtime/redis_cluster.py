@@ -209,9 +209,3 @@ class RedisCluster:
         if not 0 <= index < len(self.servers):
             raise ValueError(f"node index must be 0 to {len(self.servers) - 1}, got {index}")
         return self.servers[index]
-
-
-def nodes_of(client: Any, keys: list[str]) -> set[str]:
-    """The nodes ("host:port") a redis.RedisCluster ``client`` sends ``keys`` to: how many
-    nodes one prefix touches (its blocks' names spread over the cluster)."""
-    return {client.get_node_from_key(key).name for key in keys}

@@ -7,7 +7,7 @@ core), so nothing is left running even when the code inside the block fails. The
 output goes to ``server.log_path``; start-up errors quote its tail. That life cycle
 (:class:`ManagedServer`) is shared with kvlab.runtime.lmcache's ``lmcache server``.
 
-The engine runs on the same pinned threads as kvlab.testing.engine, in vLLM's default
+The engine runs on the same pinned threads as kvlab.harness.engine, in vLLM's default
 process layout: the API server, the engine core (the connector's scheduler side) and the
 worker (the connector's worker side, with the KV) are three processes.
 """
@@ -26,7 +26,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
@@ -127,13 +127,25 @@ def _die_with_owner() -> Callable[[], None] | None:
     return in_child
 
 
+@dataclass(kw_only=True)
 class ManagedServer:
     """A server command run in a process group of its own, its output in a log file:
     started, waited for until it answers, and stopped with everything it started, also
     when the code using it fails, and sent SIGTERM when its owner dies (Linux; see
-    :func:`_die_with_owner`). Subclasses are dataclasses with the fields ``port``,
-    ``log_path``, ``startup_timeout``, ``stop_grace``, ``process`` and ``startup_seconds``,
-    and give ``command()``, ``environment()`` and ``_ready()``."""
+    :func:`_die_with_owner`). Subclasses are dataclasses that declare their own fields
+    and give ``command()``, ``environment()`` and ``_ready()``; the fields every server has
+    are here, keyword-only (a subclass with other timings declares ``startup_timeout``
+    and ``stop_grace`` again after a ``KW_ONLY`` marker, with its own defaults).
+
+    ``port`` None picks a free one. ``log_path`` None writes the log into a new temporary
+    file, which is kept after the server stops so it can be read."""
+
+    port: int | None = None
+    log_path: str | Path | None = None
+    startup_timeout: float = 20.0
+    stop_grace: float = 5.0  # seconds between SIGTERM and SIGKILL
+    process: subprocess.Popen | None = field(default=None, init=False, repr=False)
+    startup_seconds: float | None = field(default=None, init=False)
 
     error: ClassVar[type[RuntimeError]] = ServerError
     label: ClassVar[str] = "server"  # its name in errors and log file names
@@ -258,10 +270,8 @@ class ManagedServer:
 @dataclass
 class VLLMServer(ManagedServer):
     """``vllm serve`` of a local model with a KV connector (``connector`` and ``extra`` as in
-    kvlab.runtime.configs.kv_transfer_config), usable as a context manager.
-
-    ``port`` None picks a free one. ``log_path`` None writes the log into a new temporary
-    file, which is kept after the server stops so it can be read.
+    kvlab.runtime.configs.kv_transfer_config), usable as a context manager (``port``,
+    ``log_path``: :class:`ManagedServer`).
 
     ``vllm_defaults`` runs the command a user copies from a connector's README: the model,
     the address, ``--enable-prompt-tokens-details`` (to see ``cached_tokens``) and the
@@ -281,16 +291,13 @@ class VLLMServer(ManagedServer):
     block_size: int = 32  # vLLM's CPU attention takes multiples of 32 only
     max_model_len: int = 4096
     attention_backend: str | None = None  # e.g. "CPU_MLA": vLLM picks AMX_MLA (bf16 only) on AMX CPUs
-    port: int | None = None
-    log_path: str | Path | None = None
-    startup_timeout: float = 240.0
-    stop_grace: float = 20.0  # seconds between SIGTERM and SIGKILL
     request_timeout: float = 300.0
     env: dict[str, str] = field(default_factory=dict)  # overrides on top of the pinned environment
     vllm_defaults: bool = False
     args: tuple[str, ...] = ()  # more `vllm serve` options, e.g. ("--num-gpu-blocks-override", "96")
-    process: subprocess.Popen | None = field(default=None, init=False, repr=False)
-    startup_seconds: float | None = field(default=None, init=False)
+    _: KW_ONLY
+    startup_timeout: float = 240.0
+    stop_grace: float = 20.0
 
     label = "vllm serve"
 
@@ -328,7 +335,7 @@ class VLLMServer(ManagedServer):
         return args + list(self.args)
 
     def environment(self) -> dict[str, str]:
-        """The pinned threads of kvlab.testing.engine, in vLLM's own process layout (API
+        """The pinned threads of kvlab.harness.engine, in vLLM's own process layout (API
         server, engine core and worker apart), whatever the connector."""
         if self.vllm_defaults:
             return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": pinned_env()["VLLM_CPU_KVCACHE_SPACE"], **self.env}

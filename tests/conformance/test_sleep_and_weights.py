@@ -14,7 +14,7 @@ pytest.importorskip("vllm")
 
 from kvlab.cache import ModelGeometry  # noqa: E402
 from kvlab.connector.weights import forget_epoch  # noqa: E402
-from kvlab.testing.driver import connector_pair, prefill, register, schedule, step, vllm_request  # noqa: E402
+from kvlab.harness.driver import connector_pair, prefill, register, schedule, step, vllm_request  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fresh_stores")
 

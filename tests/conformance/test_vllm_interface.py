@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from kvlab.cache import ModelGeometry  # noqa: E402
 from kvlab.connector import KVLabConnector  # noqa: E402
 from kvlab.connector.vllm_versions import SLEEP_MODE_METHODS, kv_cache_config_from_groups  # noqa: E402
-from kvlab.testing.driver import stand_in_config  # noqa: E402
+from kvlab.harness.driver import stand_in_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 NEWEST = next(line.split("==")[1].strip() for line in (ROOT / "requirements/vllm-next.txt").read_text().splitlines()

@@ -16,7 +16,7 @@ from test_deployed import BS, PROMPT, blocks_of, engine  # noqa: E402
 
 from kvlab.connector import reset_stores  # noqa: E402
 from kvlab.connector.stores import all_stats  # noqa: E402
-from kvlab.testing.driver import prefill  # noqa: E402
+from kvlab.harness.driver import prefill  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fresh_stores")
 LONG = list(range(16 * BS + 1))  # 16 blocks, 4 chunks of 4

@@ -1,5 +1,5 @@
 """KVLabConnector driven the way vLLM drives it, without starting an engine
-(kvlab.testing.driver): vLLM's own SchedulerOutput classes on the scheduler side, caches
+(kvlab.harness.driver): vLLM's own SchedulerOutput classes on the scheduler side, caches
 exactly as each vLLM generation hands them over on the worker side (vLLM's own allocator
 for >= 0.29, the 0.12-0.28 runner's cross-layer recipe, Ascend tuples, MLA). Saved blocks
 must come back bit for bit into other blocks. Engine runs are in test_connector_vllm.py."""
@@ -16,7 +16,7 @@ pytest.importorskip("vllm")
 
 from kvlab.cache import ModelGeometry, allocate, layer_name  # noqa: E402
 from kvlab.connector import ConnectorConfig, KVLabConnector, reset_stores  # noqa: E402
-from kvlab.testing.driver import connector_pair, prefill, register, settle, stand_in_config, vllm_request  # noqa: E402
+from kvlab.harness.driver import connector_pair, prefill, register, settle, stand_in_config, vllm_request  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fresh_stores")
 
@@ -400,7 +400,7 @@ def test_a_failing_save_or_load_never_reaches_the_request(monkeypatch, caplog, l
 
 @pytest.mark.parametrize("layerwise", [False, True], ids=["whole-step", "layerwise"])
 def test_strict_raises_what_is_not_the_stores_fault(monkeypatch, layerwise) -> None:
-    """The tests' connectors are strict (kvlab.testing.driver): a bug in a load or a save raises
+    """The tests' connectors are strict (kvlab.harness.driver): a bug in a load or a save raises
     instead of looking like a recompute, while a fault of the store (an OSError, a failed
     check) is still recomputed or stores nothing."""
     scheduler, worker = connectors(GQA, {"layerwise": layerwise})

@@ -20,8 +20,8 @@ from kvlab.cache import ModelGeometry  # noqa: E402
 from kvlab.cache.layouts import CPU_ATTN_LAYOUTS  # noqa: E402
 from kvlab.connector import ConnectorConfig  # noqa: E402
 from kvlab.connector.backend import READABLE_LAYOUTS, KVLabCPUAttentionBackend, installed, kv_pair, register  # noqa: E402
-from kvlab.testing.driver import connector_pair, prefill  # noqa: E402
-from kvlab.testing.driver import register as register_cache  # noqa: E402
+from kvlab.harness.driver import connector_pair, prefill  # noqa: E402
+from kvlab.harness.driver import register as register_cache  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fresh_stores", "vllm_cpu_build")
 

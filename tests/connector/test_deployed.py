@@ -18,7 +18,7 @@ pytest.importorskip("vllm")
 
 from kvlab.cache import ModelGeometry  # noqa: E402
 from kvlab.connector import KVLabMetadata, reset_stores  # noqa: E402
-from kvlab.testing.driver import (  # noqa: E402
+from kvlab.harness.driver import (  # noqa: E402
     connector_group, prefill, register, schedule, settle, step, vllm_request,
 )
 
@@ -114,7 +114,7 @@ def test_a_block_still_being_stored_is_waited_for_not_recomputed(monkeypatch):
 
 
 def schedule_nothing():
-    from kvlab.testing.driver import empty_step
+    from kvlab.harness.driver import empty_step
 
     return empty_step()
 

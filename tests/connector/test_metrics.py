@@ -21,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogg
 from kvlab.cache import ModelGeometry  # noqa: E402
 from kvlab.connector import KVLabConnector  # noqa: E402
 from kvlab.connector.metrics import COUNTERS, KVLabStats  # noqa: E402
-from kvlab.testing.driver import connector_pair, prefill, register, stand_in_config  # noqa: E402
+from kvlab.harness.driver import connector_pair, prefill, register, stand_in_config  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fresh_stores")
 

@@ -16,7 +16,7 @@ pytest.importorskip("vllm")
 from test_deployed import BS, PROMPT, blocks_of, engine  # noqa: E402
 
 from kvlab.connector import reset_stores  # noqa: E402
-from kvlab.testing.driver import prefill  # noqa: E402
+from kvlab.harness.driver import prefill  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fresh_stores")
 
@@ -65,7 +65,7 @@ def test_a_dead_master_or_segment_is_a_quick_miss(own_mooncake_store, fault: str
 
 def test_the_master_down_at_start_up_is_a_clear_error():
     from kvlab.runtime.servers import free_port
-    from kvlab.testing.driver import connector_group
+    from kvlab.harness.driver import connector_group
     from test_deployed import NUM_BLOCKS, RANK
 
     url = f"mooncake://127.0.0.1:{free_port()}?metadata_port={free_port()}"

@@ -1,5 +1,5 @@
 """KVLabConnector never stores or serves wrong KV when a load fails (driven as vLLM drives
-it, kvlab.testing.driver): a failed load cancels the saves that depend on it, the
+it, kvlab.harness.driver): a failed load cancels the saves that depend on it, the
 scheduler re-checks a shared chunk that changed or vanished since it checked it, a load
 falls back to the next tier that holds the chunk, hits are counted once, and new weights
 loaded into a running engine are misses. Through a real engine: test_never_wrong_engine.py."""
@@ -14,7 +14,7 @@ pytest.importorskip("vllm")
 from kvlab.cache import ModelGeometry  # noqa: E402
 from kvlab.connector import reset_stores  # noqa: E402
 from kvlab.connector import scheduler as scheduler_module  # noqa: E402
-from kvlab.testing.driver import (  # noqa: E402
+from kvlab.harness.driver import (  # noqa: E402
     connector_pair,
     prefill,
     register,

@@ -1,4 +1,4 @@
-"""KVLabConnector with the caches of issue 48, driven without an engine (kvlab.testing.driver):
+"""KVLabConnector with the caches of issue 48, driven without an engine (kvlab.harness.driver):
 quantized caches move bit for bit, scales and all; a hybrid model's shared group buffer and
 a quantized format kvlab has no layout for are refused, by both sides, with a log line that
 names the layout, and nothing of them is ever stored."""
@@ -16,7 +16,7 @@ pytest.importorskip("vllm")
 from kvlab.cache import ModelGeometry  # noqa: E402
 from kvlab.cache.hybrid import HybridGeometry, KVGroup  # noqa: E402
 from kvlab.connector import KVLabConnector  # noqa: E402
-from kvlab.testing.driver import connector_pair, hybrid_connector_pair, prefill, register, stand_in_config  # noqa: E402
+from kvlab.harness.driver import connector_pair, hybrid_connector_pair, prefill, register, stand_in_config  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fresh_stores")

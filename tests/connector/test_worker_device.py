@@ -1,4 +1,4 @@
-"""KVLabConnector's worker side on a device with torch alone (kvlab.testing.worker_steps): saves
+"""KVLabConnector's worker side on a device with torch alone (kvlab.harness.worker_steps): saves
 out of device memory into checked host chunks and loads back bit for bit into other blocks,
 per-layer, cross-layer, Ascend tuples and MLA, whole-step and layerwise; and a sleep/wake
 cycle with a save still in flight. scripts/device-check runs the device tests on the GPU
@@ -55,7 +55,7 @@ def blocks(cache, block_ids: list[int]) -> list[torch.Tensor]:
 @on_device[0]
 @on_device[1]
 def test_saved_blocks_load_back_bitwise_on_the_device(layout, geometry, layerwise) -> None:
-    from kvlab.testing.worker_steps import WorkerSteps
+    from kvlab.harness.worker_steps import WorkerSteps
 
     steps = WorkerSteps(device_cache(layout, geometry), {"chunk_size": 32, "layerwise": layerwise})
     assert steps.cache.storage[0].device.type == resolve_device(DEVICE).type
@@ -72,7 +72,7 @@ def test_saved_blocks_load_back_bitwise_on_the_device(layout, geometry, layerwis
 @on_device[0]
 @on_device[1]
 def test_sleep_waits_for_a_save_in_flight_and_wake_up_loads_it_bitwise(held_saves) -> None:
-    from kvlab.testing.worker_steps import WorkerSteps
+    from kvlab.harness.worker_steps import WorkerSteps
 
     steps = WorkerSteps(device_cache("BLHNC", GQA), {"chunk_size": 32})
     release = held_saves(steps.worker)
@@ -104,7 +104,7 @@ def test_the_worker_side_runs_without_vllm() -> None:
         sys.meta_path.insert(0, NoVLLM())
         import torch
         from kvlab.cache import ModelGeometry, allocate
-        from kvlab.testing.worker_steps import WorkerSteps
+        from kvlab.harness.worker_steps import WorkerSteps
 
         cache = allocate("BLHNC", ModelGeometry("tiny", 2, 2, 16, torch.float32, 16), 8)
         for tensor in cache.storage:

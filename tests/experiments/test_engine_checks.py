@@ -109,7 +109,7 @@ def test_reuse_paths_and_bad_path_lists() -> None:
 
 def test_bad_requests_are_refused_before_an_engine_starts(tmp_path) -> None:
     from kvlab.experiments.ttft import connector_comparison, run_any_engine
-    from kvlab.testing.engine import EngineSpec, run_engine
+    from kvlab.harness.engine import EngineSpec, run_engine
 
     model = tmp_path / "model"
     model.mkdir()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvlab.experiments.peers import _against, mooncake_peers
-from kvlab.testing.compare import SPLIT_DRIFT
+from kvlab.harness.compare import SPLIT_DRIFT
 
 CONTROL = {"token_ids": [5, 6, 7, 8], "logprobs": [-0.5, -1.25, -0.75, -2.0]}
 

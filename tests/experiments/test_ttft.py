@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvlab.testing.engine import EngineSpec, run_engine  # noqa: E402
+from kvlab.harness.engine import EngineSpec, run_engine  # noqa: E402
 
 
 def test_engine_and_table_bad_input(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ each mode's connector calls, recorded, as the machinery diagrams draw them.
 Every engine's cold run is bitwise plain CPU_ATTN's (an engine with kvlab's plugin turned
 off: the same kernels, so the same bits); every connector hit is bitwise vLLM's own prefix
 hit in the same engine (the same prefill split); zeroed or shifted KV moves the outputs.
-Each engine runs in its own process (kvlab.testing.engine)."""
+Each engine runs in its own process (kvlab.harness.engine)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from conftest import bitwise, hits, loadable
 pytest.importorskip("vllm")
 
 from kvlab.connector.step_order import step_calls  # noqa: E402
-from kvlab.testing.call_recorder import forward_steps, recorded_calls  # noqa: E402
-from kvlab.testing.engine import EngineSpec, run_engine  # noqa: E402
+from kvlab.harness.call_recorder import forward_steps, recorded_calls  # noqa: E402
+from kvlab.harness.engine import EngineSpec, run_engine  # noqa: E402
 
 # starts engines; one of the extended engine suite (`make test-extended`, CI runs it)
 pytestmark = [pytest.mark.slow, pytest.mark.extended]

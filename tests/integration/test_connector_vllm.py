@@ -5,7 +5,7 @@ and the hooks, per-layer and cross-layer: test_backend_engine.py);
 other engines in other processes hit through shared memory, a real 3-node Redis Cluster and
 a real Mooncake Store, and survive a cluster node and then Mooncake's master dying; tensor-parallel ranks each keep their own shard, and a load that fails its check
 is recomputed with the same tokens (damaged entries, full and read-only disks:
-test_faults_engine.py). Each engine runs in its own process (kvlab.testing.engine)."""
+test_faults_engine.py). Each engine runs in its own process (kvlab.harness.engine)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from conftest import bitwise, hits, loadable, prepared, within_split_drift
 
 pytest.importorskip("vllm")
 
+from kvlab.harness.engine import EngineSpec, run_engine  # noqa: E402
 from kvlab.runtime.models import TINY_LLAMA, model_path  # noqa: E402
 from kvlab.runtime.mooncake import MooncakeStore  # noqa: E402
-from kvlab.testing.engine import EngineSpec, run_engine  # noqa: E402
 
 # starts engines or servers; one of the extended engine suite (`make test-extended`, CI runs it)
 pytestmark = [pytest.mark.slow, pytest.mark.extended]

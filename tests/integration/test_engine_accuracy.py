@@ -10,8 +10,8 @@ import math
 import pytest
 
 from kvlab.experiments.engine_checks import CONTROL, RECOMPUTE, against_control
+from kvlab.harness.compare import SPLIT_DRIFT
 from kvlab.store.damage import DAMAGES
-from kvlab.testing.compare import SPLIT_DRIFT
 
 # starts engines; its tests share one accuracy run (one pytest-xdist worker runs them all)
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("engine-accuracy")]

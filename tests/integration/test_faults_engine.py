@@ -1,5 +1,5 @@
 """KVLabConnector under faults, tenants and adapters inside vLLM's CPU engine (each engine
-in its own process, kvlab.testing.engine): a disk tier that fills up (a real 12 MB tmpfs) and then
+in its own process, kvlab.harness.engine): a disk tier that fills up (a real 12 MB tmpfs) and then
 turns read-only with damaged chunks in it; cache salts and a LoRA adapter against vLLM's
 own prefix cache as the control; two engines writing one folder at once, and new weights
 at the same path. No request may fail and no token may differ from recompute.
@@ -16,7 +16,7 @@ from conftest import bitwise, hits, loadable, within_split_drift
 
 pytest.importorskip("vllm")
 
-from kvlab.testing.engine import EngineSpec, run_engine  # noqa: E402
+from kvlab.harness.engine import EngineSpec, run_engine  # noqa: E402
 
 # starts engines or servers; one of the extended engine suite (`make test-extended`, CI runs it)
 pytestmark = [pytest.mark.slow, pytest.mark.extended]

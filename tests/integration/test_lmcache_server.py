@@ -21,9 +21,9 @@ if importlib.util.find_spec("lmcache") is None:
     pytest.skip("lmcache is not installed", allow_module_level=True)
 
 
+from kvlab.harness.engine import EngineSpec  # noqa: E402
+from kvlab.harness.lmcache import run_on_server  # noqa: E402
 from kvlab.runtime.lmcache import LMCacheError, LMCacheServer  # noqa: E402
-from kvlab.testing.engine import EngineSpec  # noqa: E402
-from kvlab.testing.lmcache import run_on_server  # noqa: E402
 
 # starts engines or servers; one of the extended engine suite (`make test-extended`, CI runs it)
 pytestmark = [pytest.mark.slow, pytest.mark.extended]
@@ -76,7 +76,7 @@ def test_killed_server_is_reported_and_no_engine_starts(tmp_path):
 def test_failed_runs_name_a_dead_server(tmp_path, monkeypatch):
     """An engine run that fails or hangs: its own error while the server lives, an
     LMCacheError naming the server once it is dead (the engine is a stand-in here)."""
-    import kvlab.testing.lmcache
+    import kvlab.harness.lmcache
 
     def crash(spec, prompts, timeout, **options):
         raise RuntimeError("engine crashed")
@@ -84,15 +84,15 @@ def test_failed_runs_name_a_dead_server(tmp_path, monkeypatch):
     def hang_while_the_server_dies(spec, prompts, timeout, **options):
         assert spec.extra == {"port": server.port}
         kill(server)
-        raise subprocess.TimeoutExpired("python -m kvlab.testing.engine", timeout)
+        raise subprocess.TimeoutExpired("python -m kvlab.harness.engine", timeout)
 
     spec = EngineSpec(str(tmp_path), "lmcache")
     with LMCacheServer(log_path=tmp_path / "server.log") as server:
-        monkeypatch.setattr(kvlab.testing.lmcache, "run_engine", crash)
+        monkeypatch.setattr(kvlab.harness.lmcache, "run_engine", crash)
         with pytest.raises(RuntimeError, match="engine crashed") as failure:
             run_on_server(server, spec, [[1, 2, 3]])
         assert not isinstance(failure.value, LMCacheError)
-        monkeypatch.setattr(kvlab.testing.lmcache, "run_engine", hang_while_the_server_dies)
+        monkeypatch.setattr(kvlab.harness.lmcache, "run_engine", hang_while_the_server_dies)
         with pytest.raises(LMCacheError, match="did not finish within 7 s.*port .* is dead"):
             run_on_server(server, spec, [[1, 2, 3]], timeout=7)
     assert server.pids() == []

@@ -22,7 +22,7 @@ from conftest import bitwise, hits, within_split_drift
 
 pytest.importorskip("vllm")
 
-from kvlab.testing.engine import EngineSpec, run_engine  # noqa: E402
+from kvlab.harness.engine import EngineSpec, run_engine  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.extended]
 MIB = 1 << 20

@@ -16,9 +16,9 @@ from conftest import prepared, running
 pytest.importorskip("vllm")
 
 from kvlab.connector.metrics import PROM_COUNTERS  # noqa: E402
+from kvlab.harness.compare import SPLIT_DRIFT, gap_through_divergence  # noqa: E402
 from kvlab.runtime.models import SMOLLM2, TINY_LLAMA  # noqa: E402
 from kvlab.runtime.servers import ServerError, VLLMServer  # noqa: E402
-from kvlab.testing.compare import SPLIT_DRIFT, gap_through_divergence  # noqa: E402
 
 # starts engines or servers; one of the extended engine suite (`make test-extended`, CI runs it)
 pytestmark = [pytest.mark.slow, pytest.mark.extended]

@@ -208,7 +208,7 @@ def test_a_named_notebook_opens_alone(tmp_path):
     """The page ``lab_url(notebook)`` opens shows just that notebook with one kernel, although
     the workspace JupyterLab saved last had another notebook open (which it would reopen
     beside it, starting a second kernel)."""
-    from kvlab.runtime.browser import browser_missing, headless_chromium
+    from browser import browser_missing, headless_chromium
 
     if browser_missing():
         pytest.skip(browser_missing())
@@ -293,7 +293,7 @@ def run_all_cells(page, code_cells: int) -> None:
 
 @pytest.mark.slow
 def test_notebook_01_explorer_in_jupyterlab(tmp_path):
-    from kvlab.runtime.browser import browser_missing, headless_chromium
+    from browser import browser_missing, headless_chromium
 
     if browser_missing():
         pytest.skip(browser_missing())

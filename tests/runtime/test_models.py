@@ -89,7 +89,7 @@ def test_smollm2_greedy_generation(prepared):
     any near-tie it flips on some CPU."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kvlab.testing.compare import SPLIT_DRIFT, gap_through_divergence
+    from kvlab.harness.compare import SPLIT_DRIFT, gap_through_divergence
 
     path = models.model_path("smollm2-135m-instruct-fp32")
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -162,7 +162,7 @@ def test_no_notebooks_is_a_clear_error(tmp_path):
 
 @pytest.mark.slow
 def test_report_in_a_browser(report, tmp_path):
-    from kvlab.runtime.browser import browser_missing, headless_chromium
+    from browser import browser_missing, headless_chromium
 
     if browser_missing():
         pytest.skip(browser_missing())
@@ -232,7 +232,7 @@ def test_a_wide_table_scrolls_instead_of_being_cut_off(tmp_path):
     looking cut off at the page's edge."""
     import nbformat
 
-    from kvlab.runtime.browser import browser_missing, headless_chromium
+    from browser import browser_missing, headless_chromium
 
     if browser_missing():
         pytest.skip(browser_missing())

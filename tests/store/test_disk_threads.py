@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from kvlab.cache import ModelGeometry
+from kvlab.harness.chunks import random_chunk, same_chunk
 from kvlab.store.tiers import StoreStats
 from kvlab.store.tiers import disk as disk_module
 from kvlab.store.tiers.disk import DiskTier
-from kvlab.testing.chunks import random_chunk, same_chunk
 
 GEOMETRY = ModelGeometry("threads-test", 1, 1, 8, torch.float16, 4)
 chunk = partial(random_chunk, GEOMETRY, blocks=4, salt="threads")

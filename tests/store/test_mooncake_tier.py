@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from kvlab.cache import ModelGeometry
+from kvlab.harness.chunks import random_chunk, same_chunk
 from kvlab.runtime import redis as redis_runtime
 from kvlab.runtime.mooncake import MooncakeStore
 from kvlab.runtime.servers import free_port
@@ -24,7 +25,6 @@ from kvlab.store import RETRY_FIRST_S, KVStore
 from kvlab.store.tiers import MooncakeTier, RedisTier, StoreStats, Tier
 from kvlab.store.tiers.mooncake import parse_mooncake_url
 from kvlab.store.tiers.remote import CALL_TIMEOUT_S
-from kvlab.testing.chunks import random_chunk, same_chunk
 
 GEOMETRY = ModelGeometry("mooncake-test", 4, 2, 64, torch.bfloat16, 16)  # 32 KiB per block
 chunk = partial(random_chunk, GEOMETRY, blocks=4, salt="m")

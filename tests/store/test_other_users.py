@@ -22,10 +22,10 @@ import torch
 from kvlab.cache import ModelGeometry
 from kvlab.connector import weights
 from kvlab.connector.config import ConnectorConfig
+from kvlab.harness.chunks import random_chunk, same_bytes
 from kvlab.store import KVStore
 from kvlab.store import chunk as chunk_format
 from kvlab.store.secrets import read_auth_key, resolve_redis_url
-from kvlab.testing.chunks import random_chunk, same_bytes
 
 GEOMETRY = ModelGeometry("others-test", 2, 2, 32, torch.bfloat16, 16)
 chunk = partial(random_chunk, GEOMETRY, salt="o")

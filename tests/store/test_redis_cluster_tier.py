@@ -7,20 +7,27 @@ from __future__ import annotations
 
 import time
 from functools import partial
+from typing import Any
 
 import pytest
 import torch
 
 from kvlab.cache import ModelGeometry
 from kvlab.connector.config import ConnectorConfig
+from kvlab.harness.chunks import random_chunk, same_chunk
 from kvlab.runtime.redis import RedisError
-from kvlab.runtime.redis_cluster import RedisCluster, nodes_of
+from kvlab.runtime.redis_cluster import RedisCluster
 from kvlab.store import KVStore
 from kvlab.store.tiers import RedisTier, StoreStats
-from kvlab.testing.chunks import random_chunk, same_chunk
 
 GEOMETRY = ModelGeometry("cluster-test", 4, 2, 64, torch.bfloat16, 16)  # 32 KiB per block
 chunk = partial(random_chunk, GEOMETRY, blocks=4, salt="r")
+
+
+def nodes_of(client: Any, keys: list[str]) -> set[str]:
+    """The nodes ("host:port") a redis.RedisCluster ``client`` sends ``keys`` to: how many
+    nodes one prefix touches (its blocks' names spread over the cluster)."""
+    return {client.get_node_from_key(key).name for key in keys}
 
 
 def test_chunks_spread_over_the_nodes_and_another_client_reads_them_bitwise(redis_cluster) -> None:

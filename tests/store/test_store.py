@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from kvlab.cache import ModelGeometry, allocate
+from kvlab.harness.chunks import random_chunk, same_bytes
 from kvlab.store import Fetched, KVStore, Stored, block_hashes, shard_key, signature
 from kvlab.store.tiers import disk as disk_module
-from kvlab.testing.chunks import random_chunk, same_bytes
 
 GEOMETRY = ModelGeometry("store-test", 2, 2, 32, torch.bfloat16, 16)
 chunk = partial(random_chunk, GEOMETRY, salt="seed")

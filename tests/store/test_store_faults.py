@@ -24,7 +24,7 @@ from kvlab.cache import ModelGeometry
 from kvlab.store import RETRY_FIRST_S, Chunk, KVStore, block_hashes, folder_fingerprint
 from kvlab.store.tiers import backoff
 from kvlab.store import chunk as chunk_format
-from kvlab.testing.chunks import random_chunk, same_bytes
+from kvlab.harness.chunks import random_chunk, same_bytes
 
 GEOMETRY = ModelGeometry("fault-test", 2, 2, 32, torch.bfloat16, 16)
 chunk = partial(random_chunk, GEOMETRY, salt="s")

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from kvlab.cache import ModelGeometry
+from kvlab.harness.chunks import random_chunk, same_bytes
 from kvlab.store import RETRY_FIRST_S, Chunk, KVStore, RedisTier, StoreStats, tiers
 from kvlab.store import chunk as chunk_format
-from kvlab.testing.chunks import random_chunk, same_bytes
 
 GEOMETRY = ModelGeometry("trust-test", 2, 2, 32, torch.bfloat16, 16)
 chunk = partial(random_chunk, GEOMETRY, salt="t")

@@ -17,6 +17,7 @@ import torch
 
 from kvlab.cache import ModelGeometry
 from kvlab.connector.config import ConnectorConfig
+from kvlab.harness.chunks import random_chunk
 from kvlab.store import KVStore
 from kvlab.store.tiers import (
     RETRY_FIRST_S,
@@ -35,7 +36,6 @@ from kvlab.store.tiers import (
     unregister_tier,
 )
 from kvlab.store.tiers.settings import check_bytes
-from kvlab.testing.chunks import random_chunk
 
 GEOMETRY = ModelGeometry("tiers-test", 2, 2, 32, torch.bfloat16, 16)
 chunk = partial(random_chunk, GEOMETRY, salt="t")

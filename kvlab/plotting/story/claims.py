@@ -10,7 +10,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from kvlab.testing.spread import BOOTSTRAP, MEDIAN_ONLY, MIN_SAMPLES, Estimate
+from kvlab.harness.spread import BOOTSTRAP, MEDIAN_ONLY, MIN_SAMPLES, Estimate
 from kvlab.plotting.common import as_records, short_hardware
 
 

@@ -14,7 +14,7 @@ from kvlab.plotting.common import as_records
 from kvlab.plotting.story.claims import (Prose, Takeaways, against_target, amount, medians_only, number, paragraphs,
                                          prose, quantity, quoted, span, takeaways, versus)
 from kvlab.plotting.story.serving import as_lies_point
-from kvlab.testing.spread import (SAMPLES_KEY, Estimate, bootstrapped, median_only, row_difference, row_estimate,
+from kvlab.harness.spread import (SAMPLES_KEY, Estimate, bootstrapped, median_only, row_difference, row_estimate,
                                   spread, summary_difference)
 
 KVLAB_OVER_EXAMPLE_TARGET = 0.5  # KVLab's whole-step overhead at most half ExampleConnector's

@@ -12,7 +12,7 @@ from kvlab.experiments.load_test import REMOTE_KILL
 from kvlab.plotting.common import as_records, plural
 from kvlab.plotting.story.claims import (Prose, Takeaways, against_target, amount, interval, medians_only, number,
                                          paragraphs, prose, quantity, quoted, span, takeaways, versus)
-from kvlab.testing.spread import MEDIAN_ONLY, Estimate, bootstrapped, median_only, ratio, spread, summary_ratio
+from kvlab.harness.spread import MEDIAN_ONLY, Estimate, bootstrapped, median_only, ratio, spread, summary_ratio
 
 PER_RUN = "object per run"  # kvlab.experiments.network's strategy that stores a chunk as it lies
 MEMORY_BOUND_TARGET = 1.5  # a hit from memory: overhead at most this multiple of the STREAM copy

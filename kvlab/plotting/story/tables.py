@@ -9,9 +9,9 @@ from typing import Any, Iterable, Sequence
 
 from kvlab.experiments.targets import CPU_TARGETS, ceiling_targets
 from kvlab.experiments.ttft import engine_floor
+from kvlab.harness.spread import MEDIAN_ONLY, Estimate, row_estimate, summary
 from kvlab.plotting.common import as_records, human_bytes, model_name, short_hardware
 from kvlab.plotting.story.claims import Prose, amount, number, quantity, quoted, span
-from kvlab.testing.spread import MEDIAN_ONLY, Estimate, row_estimate, summary
 
 
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:

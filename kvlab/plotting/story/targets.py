@@ -14,7 +14,7 @@ from kvlab.plotting.story.connector import KVLAB_OVER_EXAMPLE_TARGET
 from kvlab.plotting.story.serving import (CONCURRENT_TARGET, LOOKUP_TARGET_MS, MEMORY_BOUND_TARGET, REDIS_PACE_TARGET,
                                           throughput)
 from kvlab.plotting.story.tables import markdown_table
-from kvlab.testing.spread import Estimate, median_only, ratio, spread, summary_ratio
+from kvlab.harness.spread import Estimate, median_only, ratio, spread, summary_ratio
 
 MEMORY_HIT_TOKENS = 2000  # the hit-from-memory target holds from prompts this long
 

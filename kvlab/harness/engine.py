@@ -1,6 +1,6 @@
 """Run vLLM's CPU engine with and without KV connectors, one engine per process.
 
-Each engine runs in a fresh Python process (``python -m kvlab.testing.engine``), so
+Each engine runs in a fresh Python process (``python -m kvlab.harness.engine``), so
 connector stores, compile caches and thread bindings never leak between the things
 compared, and "a new process" is literally one. Every engine is pinned to the same thread
 count (kvlab.runtime.processes). Imports vLLM only in the child process."""
@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.cache.layouts import VLLM_V29_LAYOUTS
+from kvlab.harness import worker_calls
 from kvlab.runtime.configs import kv_transfer_config
 from kvlab.runtime.processes import run_child
 from kvlab.runtime.vllm_cpu import check_architecture
 from kvlab.store.damage import DAMAGES
-from kvlab.testing import worker_calls
 
 
 @dataclass
@@ -175,7 +175,7 @@ def run_engine(spec: EngineSpec, prompts: list[list[int]], timeout: float = 900,
         raise ValueError(f"a prompt of {max(map(len, prompts))} tokens plus its output does not fit in "
                          f"max_model_len={spec.max_model_len}")
     check_architecture(spec.model)  # last: the only check that imports vLLM
-    return run_child("kvlab.testing.engine", {"spec": asdict(spec), "prompts": prompts, "forced": forced,
+    return run_child("kvlab.harness.engine", {"spec": asdict(spec), "prompts": prompts, "forced": forced,
                                               "salts": salts, "loras": loras},
                      f"engine {spec.connector} on {spec.model}", timeout, spec.environment())
 

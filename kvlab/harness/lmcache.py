@@ -7,13 +7,13 @@ import subprocess
 from dataclasses import replace
 from typing import Any
 
+from kvlab.harness.engine import EngineSpec, run_engine
 from kvlab.runtime.lmcache import LMCacheError, LMCacheServer
-from kvlab.testing.engine import EngineSpec, run_engine
 
 
 def run_on_server(server: LMCacheServer, spec: EngineSpec, prompts: list[list[int]], timeout: float = 900,
                **engine_options: Any) -> dict:
-    """kvlab.testing.engine.run_engine of ``spec`` (connector "lmcache") on ``server``: the server
+    """kvlab.harness.engine.run_engine of ``spec`` (connector "lmcache") on ``server``: the server
     is checked before the engine starts, and a run that fails or outlasts ``timeout``
     seconds while the server is dead raises LMCacheError naming it. A server that dies
     mid-run while the engine finishes means recomputed prompts (right outputs, fewer

@@ -1,4 +1,5 @@
-"""One headless Chromium launch shared by the browser tests (the rendered report, JupyterLab):
+"""One headless Chromium launch shared by the browser tests (the rendered report, JupyterLab;
+imported as ``from browser import ...``, as ``conftest`` is):
 Debian's /usr/bin/chromium driven by Playwright, with the flags a sandboxed container needs
 and without the background traffic a test has no use for."""
 

@@ -1,7 +1,7 @@
 """A recorder of KVLabConnector's calls in an engine process: both sides, in the order vLLM
 makes them, each with the KV copies it made or handed to a thread of the connector's. What the
 machinery diagrams (kvlab.connector.step_order, drawn by kvlab.plotting.machinery) are checked
-against, on a real engine step (kvlab.testing.engine: ``EngineSpec(record_calls=True)``).
+against, on a real engine step (kvlab.harness.engine: ``EngineSpec(record_calls=True)``).
 
 Every copy method is wrapped while it records, so a copy names the connector call it came from
 (a context variable, which kvlab.transfer carries onto its threads) and the thread it ran on."""

@@ -32,7 +32,7 @@ class WorkerSteps:
 
     def block_keys(self, tokens: list[int]) -> list[str]:
         """The chained keys of the full blocks of ``tokens`` (as the scheduler makes them)."""
-        return block_hashes(tokens, self.cache.geometry.block_size, "kvlab.testing.worker_steps")
+        return block_hashes(tokens, self.cache.geometry.block_size, "kvlab.harness.worker_steps")
 
     def save(self, req_id: str, tokens: list[int], block_ids: list[int]) -> list[str]:
         """One step that saves the full blocks of ``tokens``, held in ``block_ids``, as chunks

@@ -1,4 +1,4 @@
-"""What an engine sends its workers (kvlab.testing.worker_calls): the clock times each
+"""What an engine sends its workers (kvlab.harness.worker_calls): the clock times each
 connector call once however often it is started and gives the class back untouched, and the
 damage control damages the connector's memory chunks and puts them back."""
 
@@ -12,8 +12,8 @@ import torch
 pytest.importorskip("vllm")
 
 from kvlab.cache import ModelGeometry  # noqa: E402
-from kvlab.testing import worker_calls  # noqa: E402
-from kvlab.testing.driver import connector_pair, prefill, register  # noqa: E402
+from kvlab.harness import worker_calls  # noqa: E402
+from kvlab.harness.driver import connector_pair, prefill, register  # noqa: E402
 
 SLOW = textwrap.dedent('''
     class SlowConnector:

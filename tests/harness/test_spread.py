@@ -1,10 +1,10 @@
 """How far a measured difference can be trusted: intervals from raw samples or ranges, and a
-difference claimed in words only beyond its interval (kvlab.testing.spread, kvlab.plotting.story.claims)."""
+difference claimed in words only beyond its interval (kvlab.harness.spread, kvlab.plotting.story.claims)."""
 
 import pytest
 
 from kvlab.plotting.story.claims import against_target, versus
-from kvlab.testing.spread import (MEDIAN_ONLY, Estimate, bootstrapped, difference, median_only, ratio, row_difference,
+from kvlab.harness.spread import (MEDIAN_ONLY, Estimate, bootstrapped, difference, median_only, ratio, row_difference,
                                   row_estimate, spread, summary_difference)
 
 

@@ -1,7 +1,7 @@
-"""The call recorder (kvlab.testing.call_recorder) names every KVLabConnector call of a step in
+"""The call recorder (kvlab.harness.call_recorder) names every KVLabConnector call of a step in
 order, with the copies each made before it returned and those it handed to a thread of the
 connector's (the context it runs in follows the copy there), and gives the class and the copy
-methods back untouched. Driven here without an engine (kvlab.testing.driver); in a real engine
+methods back untouched. Driven here without an engine (kvlab.harness.driver); in a real engine
 step: tests/integration/test_backend_engine.py."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ pytest.importorskip("vllm")
 from kvlab.cache import ModelGeometry  # noqa: E402
 from kvlab.connector import KVLabConnector, reset_stores  # noqa: E402
 from kvlab.connector.step_order import STEP_CALL_NAMES, StepCall  # noqa: E402
-from kvlab.testing.call_recorder import CallRecorder, forward_steps, recorded_calls  # noqa: E402
-from kvlab.testing.driver import connector_pair, prefill, register  # noqa: E402
+from kvlab.harness.call_recorder import CallRecorder, forward_steps, recorded_calls  # noqa: E402
+from kvlab.harness.driver import connector_pair, prefill, register  # noqa: E402
 from kvlab.transfer.registry import ALL_METHODS, get_method  # noqa: E402
 
 GEOMETRY = ModelGeometry("recorder-test", 3, 2, 16, torch.float32, 16)

@@ -83,9 +83,9 @@ def read_clock(worker: Any) -> dict[str, float]:
 
 def start_recording(worker: Any) -> None:
     """Record KVLabConnector's calls of a step from now on, both sides (vLLM runs the scheduler
-    side in the process of a single worker), with the copies each makes (kvlab.testing.call_recorder)."""
+    side in the process of a single worker), with the copies each makes (kvlab.harness.call_recorder)."""
     from kvlab.connector.step_order import STEP_CALL_NAMES
-    from kvlab.testing.call_recorder import CallRecorder
+    from kvlab.harness.call_recorder import CallRecorder
 
     if not _RECORDER:
         _RECORDER.append(CallRecorder(STEP_CALL_NAMES))

@@ -1,4 +1,4 @@
-"""Compare engine runs (kvlab.testing.engine results): a phase's timing row, and whether two
+"""Compare engine runs (kvlab.harness.engine results): a phase's timing row, and whether two
 runs gave the same outputs, bitwise or within the drift of a differently split prefill."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from typing import Any, Sequence
 
-from kvlab.testing.spread import SAMPLES_KEY
+from kvlab.harness.spread import SAMPLES_KEY
 
 
 def summarize(name: str, result: dict, phase: str, **labels: Any) -> dict:

@@ -1,10 +1,10 @@
-"""How kvlab.testing.engine orders its phases and kvlab.testing.compare compares two runs
+"""How kvlab.harness.engine orders its phases and kvlab.harness.compare compares two runs
 (no engine started)."""
 
 import pytest
 
-from kvlab.testing.compare import SPLIT_DRIFT, first_difference, gap_through_divergence, same_outputs
-from kvlab.testing.engine import EngineSpec, _schedule, run_engine
+from kvlab.harness.compare import SPLIT_DRIFT, first_difference, gap_through_divergence, same_outputs
+from kvlab.harness.engine import EngineSpec, _schedule, run_engine
 
 
 def run(*rows: tuple[list[int], list[float]], phase: str = "cold") -> dict:

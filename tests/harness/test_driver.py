@@ -1,4 +1,4 @@
-"""The stand-in engine (kvlab.testing.driver) behaves as vLLM's does where a test relies on
+"""The stand-in engine (kvlab.harness.driver) behaves as vLLM's does where a test relies on
 it: each tensor-parallel rank has tiers of its own, and a lookup that keeps waiting for
 saves ends in an error, not a hang."""
 
@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("vllm")
 
 from kvlab.cache import ModelGeometry  # noqa: E402
-from kvlab.testing import driver  # noqa: E402
+from kvlab.harness import driver  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fresh_stores")
 
