@@ -4,9 +4,13 @@ and the tests (the quick profile)."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Sequence
@@ -85,7 +89,7 @@ def run_notebooks(profile: str = "standard", only: Sequence[str] | None = None, 
             "measure": measure,
         })
         nbformat.write(parameterized(path, parameters), target)
-        with headless_progress():  # the saved copy would keep each bar's first frame
+        with headless_progress(), committed_results_for(path):  # a saved bar would keep its first frame
             papermill.execute_notebook(str(target), str(target), cwd=str(path.parent), kernel_name="python3",
                                        progress_bar=True)
         executed_copy = nbformat.read(target, as_version=4)
@@ -95,6 +99,44 @@ def run_notebooks(profile: str = "standard", only: Sequence[str] | None = None, 
         print(f"kvlab: {path.stem} done in {(time.perf_counter() - started) / 60:.1f} min "
               f"({(time.perf_counter() - began) / 60:.1f} min so far)", file=sys.stderr, flush=True)
     return executed
+
+
+@contextlib.contextmanager
+def committed_results_for(path: Path):
+    """For the solutions, whose answers read the committed runs: ``$KVLAB_COMMITTED_RESULTS``
+    set to data/results as git holds it, so that what `make run` has appended on this machine
+    (a quick profile's tiny model, a noisy short sweep) never becomes an answer. Set already
+    (the tests' copy), or outside a git checkout, it is left as it is; other notebooks run as they are."""
+    from kvlab.results import COMMITTED_RESULTS_ENV, committed_results_dir
+
+    if path.stem != SOLUTIONS or os.environ.get(COMMITTED_RESULTS_ENV):
+        yield
+        return
+    folder = committed_results_dir()
+    with tempfile.TemporaryDirectory(prefix="kvlab-committed-") as copy:
+        if not _git_copy(folder, Path(copy)):
+            yield
+            return
+        os.environ[COMMITTED_RESULTS_ENV] = copy
+        try:
+            yield
+        finally:
+            del os.environ[COMMITTED_RESULTS_ENV]
+
+
+def _git_copy(folder: Path, copy: Path) -> bool:
+    """Write into ``copy`` each file of ``folder`` as git's HEAD holds it; False without git."""
+    git = shutil.which("git")
+    if git is None:
+        return False
+    listed = subprocess.run([git, "-C", str(folder), "ls-tree", "-r", "-z", "--full-name", "--name-only", "HEAD", "."],
+                            capture_output=True)
+    if listed.returncode != 0 or not listed.stdout:
+        return False
+    for name in filter(None, listed.stdout.decode().split("\0")):
+        shown = subprocess.run([git, "-C", str(folder), "show", f"HEAD:{name}"], capture_output=True, check=True)
+        (copy / Path(name).name).write_bytes(shown.stdout)
+    return True
 
 
 def parameterized(path: Path, parameters: dict) -> nbformat.NotebookNode:

@@ -1,6 +1,7 @@
 """The notebook runner names the notebooks it knows."""
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -143,3 +144,31 @@ def test_every_notebook_names_the_stems_of_its_results_and_figures():
     from kvlab.runtime.notebooks import DATA_PREFIX, SOLUTIONS
 
     assert sorted([*DATA_PREFIX, SOLUTIONS]) == [path.stem for path in notebook_paths()]
+
+
+def test_the_solutions_read_the_results_as_git_holds_them(tmp_path, monkeypatch):
+    """What `make run` appended on this machine (a quick run's tiny model) is not an answer:
+    the solutions notebook runs with $KVLAB_COMMITTED_RESULTS at HEAD's data/results."""
+    import subprocess
+
+    import kvlab.results
+    from kvlab.runtime.notebooks import NOTEBOOKS_DIR, SOLUTIONS, committed_results_for
+
+    results = tmp_path / "data" / "results"
+    results.mkdir(parents=True)
+    (results / "03_timeline-x.jsonl").write_text("committed\n")
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "results"], check=True)
+    (results / "03_timeline-x.jsonl").write_text("committed\nappended by make run\n")
+    (results / "03_timeline-here.jsonl").write_text("this machine's run\n")
+    monkeypatch.delenv(kvlab.results.COMMITTED_RESULTS_ENV, raising=False)
+    monkeypatch.setattr(kvlab.results, "committed_results_dir", lambda: results)
+    with committed_results_for(NOTEBOOKS_DIR / f"{SOLUTIONS}.ipynb"):
+        copy = Path(os.environ[kvlab.results.COMMITTED_RESULTS_ENV])
+        assert sorted(p.name for p in copy.iterdir()) == ["03_timeline-x.jsonl"]
+        assert (copy / "03_timeline-x.jsonl").read_text() == "committed\n"
+    assert kvlab.results.COMMITTED_RESULTS_ENV not in os.environ and not copy.exists()
+    with committed_results_for(NOTEBOOKS_DIR / "02_transfer_timing.ipynb"):  # a measuring notebook: as it is
+        assert kvlab.results.COMMITTED_RESULTS_ENV not in os.environ
