@@ -213,3 +213,22 @@ def test_a_concurrency_ratio_says_when_its_servers_threads_were_not_recorded():
     pinned = [{**r, "compute_threads": 1} for r in old]
     assert "did not record" not in concurrency_point(pinned) and "thread counts" not in concurrency_point(pinned)
     assert "measures the threads" in concurrency_point([{**pinned[0], "compute_threads": 2}, pinned[1]])
+
+
+def test_the_engine_differences_reading_says_what_this_run_found():
+    """Notebook 06, 2c: no claim that bf16 differs where the run shows it bitwise, and the
+    batch-invariant row's plain reason."""
+    from kvlab.plotting.story import engine_differences_reading
+
+    def row(path, drift, to_control):
+        return {"table": "generations", "path": path, "prompts": 40, "identical": 40, "max_logprob_diff": drift,
+                "max_logprob_diff_vs_control": to_control, "hardware": "cpu: Test (2 cores)", "profile": "paper",
+                "run_date": "2026-12-07"}
+
+    unavailable = {"table": "batch invariance", "available": False, "reason": "no Triton backend here"}
+    same = str(engine_differences_reading([unavailable, row("recompute", 0.0, 0.0),
+                                           row("vLLM prefix-cache hit", 0.0, 0.0), row("KVLab whole-step", 0.0, 0.0)]))
+    assert "gives logprobs bitwise recompute's" in same and "bitwise the control's: KVLab whole-step" in same
+    assert "cannot run here: no Triton backend here." in same
+    apart = str(engine_differences_reading([row("vLLM prefix-cache hit", 0.03, 0.0), row("KVLab whole-step", 0.03, 0.0)]))
+    assert "sits 3.0e-02 from recompute" in apart and "batch-invariant" not in apart

@@ -7,7 +7,7 @@ transfer: 02, connector: 03 and 04, serving: 04 and 05, accuracy: 06) over the s
 (claims); a notebook's headline near its top shows its takeaways (claims.Headline)."""
 
 from kvlab.plotting.story.accuracy import (accuracy_takeaways, connectors_reading, damages_reading,
-                                           generations_reading, task_reading)
+                                           engine_differences_reading, generations_reading, task_reading)
 from kvlab.plotting.story.claims import Headline, Prose, Takeaways, prose, takeaways
 from kvlab.plotting.story.connector import (connector_takeaways, cross_layer_takeaways, floor_flags, layouts_reading,
                                             registration_reading, timeline_reading, ttft_reading)
@@ -22,5 +22,5 @@ __all__ = [
     "fit_reading", "break_even_reading", "ttft_reading", "floor_flags", "timeline_reading", "registration_reading",
     "layouts_reading", "connector_takeaways", "cross_layer_takeaways", "deployment_takeaways", "strategies_reading", "lease_reading", "scale_reading",
     "profile_reading", "lengths_reading", "lookups_reading", "pace_reading", "concurrency_reading",
-    "accuracy_takeaways", "generations_reading", "task_reading", "damages_reading", "connectors_reading",
+    "accuracy_takeaways", "engine_differences_reading", "generations_reading", "task_reading", "damages_reading", "connectors_reading",
 ]

@@ -8,7 +8,7 @@ from typing import Any
 
 from kvlab.experiments.paths import Reuse
 from kvlab.plotting.common import as_records
-from kvlab.plotting.story.claims import Prose, Takeaways, number, prose, quoted, span, takeaways
+from kvlab.plotting.story.claims import Prose, Takeaways, number, paragraphs, prose, quoted, span, takeaways
 from kvlab.store.damage import DAMAGES
 
 
@@ -64,6 +64,21 @@ def generations_reading(generations: Any) -> Prose:
                  f"Logprobs bitwise the control's: {', '.join(bitwise)}." if bitwise else
                  "No reuse path gave logprobs bitwise the control's.",
                  f"Within a drift of the control: {', '.join(other)}." if other else None)
+
+
+def engine_differences_reading(differences: Any) -> Prose:
+    """Section 2c: in bf16, how far vLLM's own prefix hit sits from recompute (the engine's
+    difference) and each reuse path from that control (the connector's), and whether vLLM's
+    batch-invariant mode could run here (a row that says why not, checked before measuring)."""
+    rows = as_records(differences)
+    invariance = next((r for r in rows if r.get("table") == "batch invariance"), None)
+    if invariance is None:
+        mode = None
+    elif invariance.get("available"):
+        mode = "vLLM's batch-invariant mode ran here: its rows are in the table above."
+    else:
+        mode = f"vLLM's batch-invariant mode cannot run here: {invariance.get('reason')}."
+    return paragraphs(generations_reading([r for r in rows if r.get("table") == "generations"]), prose(mode))
 
 
 def task_reading(task: Any) -> Prose:
