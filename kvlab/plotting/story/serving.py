@@ -110,9 +110,9 @@ def scale_reading(fits: Sequence[Any], checked: Any, scale: Any, model: str, mea
                        f"object and {span((f.bandwidth / 1e9 for f in fits if f.method == store), ' GB/s', 1)}"
                        for store in stores)
     errors = [r["error"] for r in checked]
-    bias = (" biased low: the prefixes also read the block table and the cache's scattered runs, which ready objects "
-            "do not" if errors and max(errors) < 0 else " biased high" if errors and min(errors) > 0 else "")
-    check = (f"Against this host's own prefixes the fit is within {span((100 * abs(e) for e in errors), '%')},"
+    bias = (", biased low: the prefixes also read the block table and the cache's scattered runs, which ready objects "
+            "do not" if errors and max(errors) < 0 else ", biased high" if errors and min(errors) > 0 else "")
+    check = (f"Against this host's own prefixes the fit is within {span((100 * abs(e) for e in errors), '%')}"
              f"{bias}." if errors else None)
     most = max(r["hosts"] for r in scale)
     lines = []
