@@ -183,14 +183,15 @@ def lengths_reading(lengths: Any) -> Prose:
 def memory_bound_point(lengths: Any) -> str | None:
     """A hit from memory of 2,000 tokens or more, its overhead over the engine's own floor as a
     multiple of the STREAM copy of its bytes, judged against its target; None without one."""
-    judged = []
+    judged, used = [], []
     for r in as_records(lengths):
         if r.get("path") == "KVLab, memory" and r["prompt_tokens"] >= 2000 and number(r.get("overhead_s")):
             overheads, streams = r.get("overhead_samples_s"), r.get("stream_samples_s")
             bound = ratio(overheads, streams) if overheads and streams else median_only(r["bound_ratio"])
             judged.append(f"at {r['prompt_tokens']:,} tokens, {against_target(bound, MEMORY_BOUND_TARGET, unit='×')}")
+            used.append(r)
     return ("A hit from memory, its overhead as a multiple of the STREAM copy of its bytes: "
-            + "; ".join(judged) + ".") if judged else None
+            + "; ".join(judged) + f" {quoted(used)}.") if judged else None
 
 
 def lookups_reading(lookups: Any) -> Prose:
@@ -254,7 +255,7 @@ def concurrency_point(concurrency: Any, level: int = 16) -> str | None:
     a, b = ours.get("throughput_samples_rps"), theirs.get("throughput_samples_rps")
     share = ratio(a, b) if a and b else summary_ratio(throughput(ours), throughput(theirs))
     judged = (f"At {level} concurrent requests, KVLabConnector's throughput over vLLM's own prefix cache: "
-              f"{against_target(share, CONCURRENT_TARGET, at_most=False, unit='×')}.")
+              f"{against_target(share, CONCURRENT_TARGET, at_most=False, unit='×')} {quoted([ours, theirs])}.")
     if ours.get("compute_threads") and ours.get("compute_threads") != theirs.get("compute_threads"):
         judged += (" The two servers computed on different thread counts, so this ratio measures the threads, "
                    "not the connector.")
