@@ -9,11 +9,14 @@ import importlib.metadata
 import json
 import os
 import platform
+import shutil
 import subprocess
+import tempfile
 import uuid
-from pathlib import Path
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -188,6 +191,34 @@ def committed_results_dir() -> Path:
         return Path(os.environ[COMMITTED_RESULTS_ENV])
     root = Path(__file__).resolve().parent.parent
     return root / "data" / "results" if (root / "pyproject.toml").exists() else Path("data") / "results"
+
+
+@contextmanager
+def committed_as_in_git() -> Iterator[dict[str, str]]:
+    """The environment under which committed results are data/results as git's HEAD holds it,
+    in a temporary copy: what `make run` has appended on this machine (a quick profile's tiny
+    model, a short noisy sweep) is not committed. Already set (the tests' copy), or outside a
+    git checkout: nothing to change ({})."""
+    if os.environ.get(COMMITTED_RESULTS_ENV):
+        yield {}
+        return
+    with tempfile.TemporaryDirectory(prefix="kvlab-committed-") as copy:
+        yield {COMMITTED_RESULTS_ENV: copy} if _git_copy(committed_results_dir(), Path(copy)) else {}
+
+
+def _git_copy(folder: Path, copy: Path) -> bool:
+    """Write into ``copy`` each file of ``folder`` as git's HEAD holds it; False without git."""
+    git = shutil.which("git")
+    if git is None:
+        return False
+    listed = subprocess.run([git, "-C", str(folder), "ls-tree", "-r", "-z", "--full-name", "--name-only", "HEAD", "."],
+                            capture_output=True)
+    if listed.returncode != 0 or not listed.stdout:
+        return False
+    for name in filter(None, listed.stdout.decode().split("\0")):
+        shown = subprocess.run([git, "-C", str(folder), "show", f"HEAD:{name}"], capture_output=True, check=True)
+        (copy / Path(name).name).write_bytes(shown.stdout)
+    return True
 
 
 def default_results_path(stem: str, device: str | torch.device = "auto", results_dir: str | Path | None = None) -> Path:

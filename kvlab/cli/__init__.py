@@ -300,10 +300,12 @@ def run_notebooks(args: argparse.Namespace) -> int:
     from the committed results (make figures), also render docs/results.md from them. A run
     that measures (make run) leaves the page alone: its new rows are not committed yet."""
     from kvlab.plotting.report import write_report
-    from kvlab.results import committed_results_dir
+    from kvlab.results import committed_as_in_git, committed_results_dir
     from kvlab.runtime.notebooks import run_notebooks as execute
 
-    execute(profile=args.profile, only=args.only, out=args.out, measure=not args.from_results)
+    with committed_as_in_git() as solutions_env:  # the solutions' answers read what is committed
+        execute(profile=args.profile, only=args.only, out=args.out, measure=not args.from_results,
+                solutions_env=solutions_env)
     write_report(Path(args.out) / "notebooks", Path(args.out) / "report")
     drawn_from = Path(args.out) / "results"
     if args.from_results and drawn_from.resolve() == committed_results_dir().resolve():

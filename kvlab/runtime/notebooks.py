@@ -7,10 +7,7 @@ import ast
 import contextlib
 import json
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Sequence
@@ -56,13 +53,15 @@ def notebook_paths(only: Sequence[str] | None = None) -> list[Path]:
 
 
 def run_notebooks(profile: str = "standard", only: Sequence[str] | None = None, out: str | Path = "data",
-                  measure: bool = True) -> list[Path]:
+                  measure: bool = True, solutions_env: dict[str, str] | None = None) -> list[Path]:
     """Execute each notebook, writing figures under out/figures, results under out/results
     and the executed notebook under out/notebooks. ``profile`` (kvlab.results.PROFILES) says
     how much is measured: quick (the tests), standard (minutes; the slowest engine sweeps
     are drawn from the committed paper results), paper (everything). With ``measure`` off,
     notebooks that time things only redraw their figures from the results in out/results.
-    The CLI (make run, make figures) then writes the report (kvlab.plotting.report)."""
+    ``solutions_env``: environment variables the solutions notebook runs with (the CLI points
+    it at data/results as git holds it: kvlab.results.committed_as_in_git). The CLI (make run,
+    make figures) then writes the report (kvlab.plotting.report)."""
     import papermill
 
     check_profile(profile)  # each notebook records it (use_profile) in its own kernel
@@ -89,7 +88,7 @@ def run_notebooks(profile: str = "standard", only: Sequence[str] | None = None, 
             "measure": measure,
         })
         nbformat.write(parameterized(path, parameters), target)
-        with headless_progress(), committed_results_for(path):  # a saved bar would keep its first frame
+        with headless_progress(), environment(solutions_env if path.stem == SOLUTIONS else None):
             papermill.execute_notebook(str(target), str(target), cwd=str(path.parent), kernel_name="python3",
                                        progress_bar=True)
         executed_copy = nbformat.read(target, as_version=4)
@@ -102,41 +101,18 @@ def run_notebooks(profile: str = "standard", only: Sequence[str] | None = None, 
 
 
 @contextlib.contextmanager
-def committed_results_for(path: Path):
-    """For the solutions, whose answers read the committed runs: ``$KVLAB_COMMITTED_RESULTS``
-    set to data/results as git holds it, so that what `make run` has appended on this machine
-    (a quick profile's tiny model, a noisy short sweep) never becomes an answer. Set already
-    (the tests' copy), or outside a git checkout, it is left as it is; other notebooks run as they are."""
-    from kvlab.results import COMMITTED_RESULTS_ENV, committed_results_dir
-
-    if path.stem != SOLUTIONS or os.environ.get(COMMITTED_RESULTS_ENV):
+def environment(variables: dict[str, str] | None):
+    """``variables`` set in os.environ (a kernel started now inherits them), then put back."""
+    saved = {name: os.environ.get(name) for name in variables or {}}
+    os.environ.update(variables or {})
+    try:
         yield
-        return
-    folder = committed_results_dir()
-    with tempfile.TemporaryDirectory(prefix="kvlab-committed-") as copy:
-        if not _git_copy(folder, Path(copy)):
-            yield
-            return
-        os.environ[COMMITTED_RESULTS_ENV] = copy
-        try:
-            yield
-        finally:
-            del os.environ[COMMITTED_RESULTS_ENV]
-
-
-def _git_copy(folder: Path, copy: Path) -> bool:
-    """Write into ``copy`` each file of ``folder`` as git's HEAD holds it; False without git."""
-    git = shutil.which("git")
-    if git is None:
-        return False
-    listed = subprocess.run([git, "-C", str(folder), "ls-tree", "-r", "-z", "--full-name", "--name-only", "HEAD", "."],
-                            capture_output=True)
-    if listed.returncode != 0 or not listed.stdout:
-        return False
-    for name in filter(None, listed.stdout.decode().split("\0")):
-        shown = subprocess.run([git, "-C", str(folder), "show", f"HEAD:{name}"], capture_output=True, check=True)
-        (copy / Path(name).name).write_bytes(shown.stdout)
-    return True
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def parameterized(path: Path, parameters: dict) -> nbformat.NotebookNode:

@@ -36,7 +36,7 @@ def test_notebook_runs(path, tmp_path):
 
 @pytest.mark.parametrize("notebook, figures", [("02_transfer_timing", 9), ("03_connector_and_hooks", 5),
                                                ("04_cross_layer_in_the_engine", 5), ("05_deployment_and_costs", 4),
-                                               ("06_accuracy", 3)])
+                                               ("06_accuracy", 2)])
 def test_figures_redraw_from_committed_results(tmp_path, notebook, figures):
     """`make figures`: a measuring notebook measures nothing and draws every figure from data/results."""
     import shutil

@@ -148,11 +148,12 @@ def test_every_notebook_names_the_stems_of_its_results_and_figures():
 
 def test_the_solutions_read_the_results_as_git_holds_them(tmp_path, monkeypatch):
     """What `make run` appended on this machine (a quick run's tiny model) is not an answer:
-    the solutions notebook runs with $KVLAB_COMMITTED_RESULTS at HEAD's data/results."""
+    the CLI runs the solutions notebook with $KVLAB_COMMITTED_RESULTS at HEAD's data/results."""
     import subprocess
 
     import kvlab.results
-    from kvlab.runtime.notebooks import NOTEBOOKS_DIR, SOLUTIONS, committed_results_for
+    from kvlab.results import COMMITTED_RESULTS_ENV, committed_as_in_git
+    from kvlab.runtime.notebooks import environment
 
     results = tmp_path / "data" / "results"
     results.mkdir(parents=True)
@@ -163,12 +164,13 @@ def test_the_solutions_read_the_results_as_git_holds_them(tmp_path, monkeypatch)
     subprocess.run([*git, "commit", "-qm", "results"], check=True)
     (results / "03_timeline-x.jsonl").write_text("committed\nappended by make run\n")
     (results / "03_timeline-here.jsonl").write_text("this machine's run\n")
-    monkeypatch.delenv(kvlab.results.COMMITTED_RESULTS_ENV, raising=False)
+    monkeypatch.delenv(COMMITTED_RESULTS_ENV, raising=False)
     monkeypatch.setattr(kvlab.results, "committed_results_dir", lambda: results)
-    with committed_results_for(NOTEBOOKS_DIR / f"{SOLUTIONS}.ipynb"):
-        copy = Path(os.environ[kvlab.results.COMMITTED_RESULTS_ENV])
+    with committed_as_in_git() as env, environment(env):
+        copy = Path(os.environ[COMMITTED_RESULTS_ENV])
         assert sorted(p.name for p in copy.iterdir()) == ["03_timeline-x.jsonl"]
         assert (copy / "03_timeline-x.jsonl").read_text() == "committed\n"
-    assert kvlab.results.COMMITTED_RESULTS_ENV not in os.environ and not copy.exists()
-    with committed_results_for(NOTEBOOKS_DIR / "02_transfer_timing.ipynb"):  # a measuring notebook: as it is
-        assert kvlab.results.COMMITTED_RESULTS_ENV not in os.environ
+    assert COMMITTED_RESULTS_ENV not in os.environ and not copy.exists()
+    monkeypatch.setenv(COMMITTED_RESULTS_ENV, "/the/tests/copy")  # already set: left as it is
+    with committed_as_in_git() as env:
+        assert env == {}
