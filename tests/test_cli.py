@@ -223,6 +223,8 @@ def test_notebooks_and_report_commands_reach_their_handlers(monkeypatch, tmp_pat
     monkeypatch.setattr(kvlab.runtime.notebooks, "run_notebooks", lambda **kw: calls.append(("notebooks", kw)))
     monkeypatch.setattr(kvlab.plotting.report, "write_report", lambda *a: calls.append(("report", tuple(map(str, a)))))
     assert main(["notebooks", "--only", "02", "--out", str(tmp_path), "--from-results"]) == 0
+    # the solutions' environment: git's copy of data/results, or nothing where one is set already (conftest)
+    assert set(calls[0][1].pop("solutions_env")) <= {"KVLAB_COMMITTED_RESULTS"}
     assert calls == [("notebooks", {"profile": "standard", "only": ["02"], "out": str(tmp_path), "measure": False}),
                      ("report", (str(tmp_path / "notebooks"), str(tmp_path / "report")))]
     calls.clear()
