@@ -4,7 +4,6 @@ and the tests (the quick profile)."""
 from __future__ import annotations
 
 import ast
-import contextlib
 import json
 import os
 import sys
@@ -14,6 +13,7 @@ from typing import Sequence
 
 import nbformat
 
+from kvlab.runtime.processes import environment
 from kvlab.runtime.progress import headless_progress
 
 NOTEBOOKS_DIR = Path(__file__).resolve().parents[2] / "notebooks"
@@ -98,21 +98,6 @@ def run_notebooks(profile: str = "standard", only: Sequence[str] | None = None, 
         print(f"kvlab: {path.stem} done in {(time.perf_counter() - started) / 60:.1f} min "
               f"({(time.perf_counter() - began) / 60:.1f} min so far)", file=sys.stderr, flush=True)
     return executed
-
-
-@contextlib.contextmanager
-def environment(variables: dict[str, str] | None):
-    """``variables`` set in os.environ (a kernel started now inherits them), then put back."""
-    saved = {name: os.environ.get(name) for name in variables or {}}
-    os.environ.update(variables or {})
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def parameterized(path: Path, parameters: dict) -> nbformat.NotebookNode:

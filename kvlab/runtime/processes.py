@@ -7,12 +7,14 @@ outputs: every child gets ``pinned_env()``."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 # Same threads for every engine compared (see the module docstring).
 PINNED_ENV = {
@@ -38,6 +40,22 @@ def resident_mib() -> float:
 def pinned_env() -> dict[str, str]:
     """What every engine process gets: the pinned threads and the KV cache space."""
     return {**PINNED_ENV, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB)}
+
+
+@contextlib.contextmanager
+def environment(variables: dict[str, str] | None) -> Iterator[None]:
+    """``variables`` set in os.environ while inside (a process started there inherits them:
+    a notebook's kernel, its engines), then put back as they were."""
+    saved = {name: os.environ.get(name) for name in variables or {}}
+    os.environ.update(variables or {})
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def run_child(module: str, job: dict, what: str, timeout: float, env: dict[str, str] | None = None) -> dict:

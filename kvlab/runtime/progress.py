@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterable, Iterator, TypeVar
+from typing import Iterable, TypeVar
+
+from kvlab.runtime.processes import environment
 
 T = TypeVar("T")
 HIDDEN = "KVLAB_PROGRESS_HIDDEN"  # set to 1 in a process (and its children) that nobody watches
@@ -25,15 +27,6 @@ def progress(items: Iterable[T], desc: str, **options) -> Iterable[T]:
     return tqdm(items, desc=desc, **options)
 
 
-@contextlib.contextmanager
-def headless_progress() -> Iterator[None]:
+def headless_progress() -> contextlib.AbstractContextManager[None]:
     """Hide the bars of every process started inside (a notebook's kernel, its engines)."""
-    before = os.environ.get(HIDDEN)
-    os.environ[HIDDEN] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[HIDDEN]
-        else:
-            os.environ[HIDDEN] = before
+    return environment({HIDDEN: "1"})

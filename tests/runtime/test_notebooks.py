@@ -153,7 +153,7 @@ def test_the_solutions_read_the_results_as_git_holds_them(tmp_path, monkeypatch)
 
     import kvlab.results
     from kvlab.results import COMMITTED_RESULTS_ENV, committed_as_in_git
-    from kvlab.runtime.notebooks import environment
+    from kvlab.runtime.processes import environment
 
     results = tmp_path / "data" / "results"
     results.mkdir(parents=True)
