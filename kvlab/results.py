@@ -9,7 +9,6 @@ import importlib.metadata
 import json
 import os
 import platform
-import shutil
 import subprocess
 import tempfile
 import uuid
@@ -203,21 +202,20 @@ def committed_as_in_git() -> Iterator[dict[str, str]]:
         yield {}
         return
     with tempfile.TemporaryDirectory(prefix="kvlab-committed-") as copy:
-        yield {COMMITTED_RESULTS_ENV: copy} if _git_copy(committed_results_dir(), Path(copy)) else {}
+        yield {COMMITTED_RESULTS_ENV: copy} if copy_from_git(committed_results_dir(), Path(copy)) else {}
 
 
-def _git_copy(folder: Path, copy: Path) -> bool:
-    """Write into ``copy`` each file of ``folder`` as git's HEAD holds it; False without git."""
-    git = shutil.which("git")
-    if git is None:
+def copy_from_git(folder: Path, into: Path, paths: Sequence[str] = ()) -> bool:
+    """Write ``folder``'s files (or only ``paths`` in it) into ``into`` as git's HEAD holds
+    them, named relative to ``folder``; False outside a git checkout."""
+    try:
+        top, prefix = subprocess.run(["git", "-C", str(folder), "rev-parse", "--show-toplevel", "--show-prefix"],
+                                     capture_output=True, text=True, check=True).stdout.split("\n")[:2]
+        archive = subprocess.run(["git", "-C", top, "archive", f"HEAD:{prefix}", *paths], capture_output=True,
+                                 check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    except (OSError, subprocess.CalledProcessError):
         return False
-    listed = subprocess.run([git, "-C", str(folder), "ls-tree", "-r", "-z", "--full-name", "--name-only", "HEAD", "."],
-                            capture_output=True)
-    if listed.returncode != 0 or not listed.stdout:
-        return False
-    for name in filter(None, listed.stdout.decode().split("\0")):
-        shown = subprocess.run([git, "-C", str(folder), "show", f"HEAD:{name}"], capture_output=True, check=True)
-        (copy / Path(name).name).write_bytes(shown.stdout)
     return True
 
 

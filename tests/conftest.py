@@ -20,7 +20,7 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 
 # kvlab imports torch: only after the thread count above is set
 from kvlab.harness.compare import SPLIT_DRIFT, same_outputs  # noqa: E402
-from kvlab.results import COMMITTED_RESULTS_ENV, committed_results_dir  # noqa: E402
+from kvlab.results import COMMITTED_RESULTS_ENV, committed_results_dir, copy_from_git  # noqa: E402
 
 
 def _data_as_committed() -> None:
@@ -42,9 +42,8 @@ def _data_as_committed() -> None:
     if not changed:
         return
     folder = Path(tempfile.mkdtemp(prefix="kvlab-committed-"))
-    archive = subprocess.run(git + ["archive", "HEAD", *parts], capture_output=True, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
-    os.environ[COMMITTED_RESULTS_ENV] = str(folder / "data" / "results")
+    copy_from_git(root / "data", folder, [part.removeprefix("data/") for part in parts])
+    os.environ[COMMITTED_RESULTS_ENV] = str(folder / "results")
 
 
 if COMMITTED_RESULTS_ENV not in os.environ:
