@@ -77,7 +77,7 @@ def engine_differences_reading(differences: Any) -> Prose:
     elif invariance.get("available"):
         mode = "vLLM's batch-invariant mode ran here: its rows are in the table above."
     else:
-        mode = f"vLLM's batch-invariant mode cannot run here: {invariance.get('reason')}."
+        mode = f"vLLM's batch-invariant mode cannot run here: {invariance.get('reason') or 'the row gives no reason'}."
     return paragraphs(generations_reading([r for r in rows if r.get("table") == "generations"]), prose(mode))
 
 
