@@ -26,7 +26,8 @@ class ConnectorStats:
     load_segments: int = 0  # contiguous runs copied (one per block for a cross-layer cache)
     save_segments: int = 0
     load_seconds: float = 0.0  # the model runner blocked in loads
-    load_work_seconds: float = 0.0  # the loads' own copying (layerwise: on a thread, beside the layers)
+    load_work_seconds: float = 0.0  # the loads' own copying (layerwise: on a thread, beside the layers; a file
+    # tier's reads straight into the cache: from the first one's start to the last one's end)
     load_wait_seconds: float = 0.0  # layerwise: the model runner waiting for a layer's copy (not hidden)
     save_seconds: float = 0.0  # the model runner blocked in saves (queuing them, with async saves)
     save_work_seconds: float = 0.0  # the saves' own work, beside the forward with async saves

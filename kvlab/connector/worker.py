@@ -1,13 +1,12 @@
 """KVLabConnector's worker side: the KV and every copy, in the worker process.
 
-It recognises the cache vLLM registers (kvlab.cache.adopt), loads what the step's
-metadata lists (from its memory tier or a shared tier, each chunk checked) before the
-forward or layer by layer, and saves: the copy out of the cache, the checksum and the
-writes run on a thread beside the forward (``async_saves``), so the model runner only
-queues them. Finished requests whose saves are done are reported in ``get_finished``
-(vLLM holds their blocks until then); chunks kept in memory are reported to the scheduler
-in the step's worker metadata. No fault of a tier or a copy reaches a request: a failed
-save is counted, a failed load is handed back to vLLM to recompute."""
+It recognises the cache vLLM registers (kvlab.cache.adopt), loads what the step's metadata
+lists (from its memory or a shared tier, checked) before the forward or layer by layer, and
+saves: the copy out of the cache, the checksum and the writes run on a thread beside the
+forward (``async_saves``), so the model runner only queues them. Finished requests whose saves
+are done are reported in ``get_finished`` (vLLM holds their blocks until then); chunks kept in
+memory are reported to the scheduler in the step's worker metadata. No fault of a tier or a
+copy reaches a request: a failed save is counted, a failed load is handed back to vLLM."""
 
 from __future__ import annotations
 
@@ -29,7 +28,7 @@ from kvlab.connector.messages import KVLabMetadata, KVLabWorkerMeta, LoadSpec, S
 from kvlab.connector.registration import copy_method, cross_layer_decision, runs_per_block, tensor_parallel_rank
 from kvlab.connector.stores import ConnectorStats, worker_store
 from kvlab.connector.weights import watch_weight_loads, weights_epoch
-from kvlab.store.chunk import Chunk
+from kvlab.store.chunk import Chunk, Placement
 from kvlab.store.faults import FailedCheck
 from kvlab.store.keys import signature
 from kvlab.transfer.common import in_callers_mode
@@ -37,6 +36,7 @@ from kvlab.transfer.engine import Transfer, host_buffer, run_all
 from kvlab.transfer.layerwise import LayerwiseLoad
 
 logger = logging.getLogger("kvlab.connector")
+DELIVERED = object()  # what a fetch gives for a chunk a file tier read straight into the cache
 
 
 @dataclass
@@ -138,7 +138,8 @@ class WorkerSide:
                     self.failures.load_failed(spec.req_id, block_ids)
                     self.stats.load_errors += 1
                     continue
-                sources.append((chunk.buffer, positions, block_ids))
+                if chunk is not DELIVERED:
+                    sources.append((chunk.buffer, positions, block_ids))
                 self.stats.loaded_blocks += len(block_ids)
                 self.stats.load_segments += self._segments(len(block_ids), self.config.layerwise)
         if self.config.layerwise and sources:  # one copy thread (or stream) for the step, layer by layer
@@ -149,8 +150,9 @@ class WorkerSide:
                      for buffer, positions, block_ids in sources], self._copy_workers)
             self.stats.load_work_seconds += time.perf_counter() - start
 
-    def _by_chunk(self, spec: LoadSpec) -> list[tuple[Chunk | None, list[int], list[int]]]:
-        """The step's sources grouped by chunk, each chunk fetched (and checked) once."""
+    def _by_chunk(self, spec: LoadSpec) -> list[tuple[Chunk | object | None, list[int], list[int]]]:
+        """The step's sources grouped by chunk, each fetched (and checked) once: :data:`DELIVERED`
+        where a file tier read it into the cache (whole-step loads: layerwise ones copy per layer)."""
         groups: list[tuple[tuple[str, str], list[int], list[int], list[str]]] = []
         for source, block_id in zip(spec.sources, spec.block_ids):
             ident = (source.tier, source.chunk_keys[self.rank])
@@ -159,27 +161,40 @@ class WorkerSide:
             groups[-1][1].append(source.position)
             groups[-1][2].append(block_id)
             groups[-1][3].append(source.block_key)
+
+        reads: list[tuple[float, float]] = []  # each read into the cache's start and end: the copy's span
+
+        def fetch(group: tuple[tuple[str, str], list[int], list[int], list[str]]) -> Chunk | object | None:
+            (tier, chunk_key), positions, block_ids, keys = group
+            began = time.perf_counter()
+            found = self._fetch(tier, chunk_key, dict(zip(positions, keys)),
+                                None if self.config.layerwise else Placement(self.cache, positions, block_ids))
+            reads.extend([(began, time.perf_counter())] if found is DELIVERED else [])
+            return found
+
         # fetched tail first (each read marks its chunk used, so a prompt's head outlives its tail),
         # two at a time: one chunk's checksum runs while the next one's bytes arrive
-        chunks = list(self._fetchers.map(lambda group: self._fetch(*group[0], dict(zip(group[1], group[3]))),
-                                         reversed(groups)))
+        chunks = list(self._fetchers.map(fetch, reversed(groups)))
+        self.stats.load_work_seconds += max((e for _, e in reads), default=0) - min((b for b, _ in reads), default=0)
         return [(chunk, positions, block_ids) for chunk, (_, positions, block_ids, _) in zip(chunks[::-1], groups)]
 
-    def _fetch(self, tier: str, chunk_key: str, expect: dict[int, str] | None = None) -> Chunk | None:
+    def _fetch(self, tier: str, chunk_key: str, expect: dict[int, str] | None = None,
+               into: Placement | None = None) -> Chunk | object | None:
         """The chunk from the tier the scheduler named, else from the next shared tier that
-        holds it, checked by the store: of this cache, and holding at each position the block
-        ``expect`` names there (this worker's shard of it in a shared tier); None when no tier
-        can give it. Every tier that could not is reported, so the scheduler stops routing
-        loads there (and forgets a memory chunk that failed its check everywhere)."""
+        holds it, checked by the store: of this cache, holding at each position the block
+        ``expect`` names there (this worker's shard of it in a shared tier); :data:`DELIVERED`
+        when a tier read it straight into the blocks ``into`` names; None when no tier can.
+        Every tier that could not is reported, so the scheduler stops routing loads there
+        (and forgets a memory chunk that failed its check everywhere)."""
         found = self.store.fetch(chunk_key, self.signature, tier=tier, shard=(self.rank, self.workers),
-                                 blocks={position: key for position, key in (expect or {}).items() if key})
+                                 blocks={position: key for position, key in (expect or {}).items() if key}, into=into)
         with self._lock:
-            self.stats.fallback_loads += found.chunk is not None and found.tier != tier
+            self.stats.fallback_loads += found.tier is not None and found.tier != tier
         for name in found.missed:
             self.failures.tier_missed(name, chunk_key)
         if found.dropped:  # gone here; the scheduler forgets it everywhere
             self.failures.chunk_failed(chunk_key)
-        return found.chunk
+        return DELIVERED if found.delivered else found.chunk
 
     def _fail_loads(self, loads: list[LoadSpec], error: Exception) -> None:
         """Hand every block of ``loads`` back to vLLM to recompute."""

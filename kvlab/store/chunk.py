@@ -6,11 +6,13 @@ key (a CRC stops damage, not a writer who recomputes it)."""
 
 from __future__ import annotations
 
+import functools
 import hmac
 import io
 import json
 import re
 import struct
+import threading
 import warnings
 from dataclasses import dataclass, field, fields
 from typing import BinaryIO, Iterable, Sequence
@@ -18,12 +20,14 @@ from typing import BinaryIO, Iterable, Sequence
 import google_crc32c
 import torch
 
-from kvlab.cache.allocation import KVCache, allocations, from_storage
+from kvlab.cache.allocation import KVCache, allocate, allocations, from_storage
 from kvlab.cache.geometry import DTYPES, ModelGeometry, dtype_name
 from kvlab.cache.layouts import LAYOUTS
 from kvlab.cache.quant import QUANTS
 from kvlab.store.faults import FailedCheck
 from kvlab.store.keys import valid_key
+from kvlab.transfer import file_reads
+from kvlab.transfer.plan import block_runs
 
 _MAGIC = b"KVLAB-CHUNK-1\n"
 FILE_SUFFIX = ".kvchunk"
@@ -36,10 +40,15 @@ _FIELDS = {"block_keys", "signature", "crc", "layout", "num_blocks", "geometry",
 
 
 def checksum(tensors: Sequence[torch.Tensor]) -> int:
-    """CRC32C over the bytes of ``tensors`` (hardware-accelerated: ~10 GB/s on one core)."""
+    """CRC32C over the bytes of ``tensors``, hardware-accelerated: kvlab's own where it builds
+    (the GIL released, so fetch threads checksum side by side), google_crc32c's otherwise."""
+    flat = [t.contiguous().view(torch.uint8).reshape(-1) for t in tensors]
+    if file_reads.unavailable() is None:
+        addresses = torch.tensor([t.data_ptr() for t in flat], dtype=torch.int64)
+        return file_reads.crc32c(addresses, torch.tensor([t.numel() for t in flat], dtype=torch.int64))
     crc = 0
-    for t in tensors:
-        crc = google_crc32c.extend(crc, t.contiguous().view(torch.uint8).reshape(-1).numpy())
+    for t in flat:
+        crc = google_crc32c.extend(crc, t.numpy())
     return crc
 
 
@@ -112,7 +121,9 @@ def encode_header(chunk: Chunk, auth_key: bytes | None = None) -> bytes:
         "block_keys": chunk.block_keys, "signature": chunk.signature, "crc": chunk.crc,
         "layout": buffer.layout.name, "num_blocks": buffer.num_blocks,
         "geometry": _geometry_fields(buffer.geometry),
-        "tensors": [list(t.shape) for t in buffer.storage],
+        # each tensor as the layout allocates it (what parse_header checks), not as it is
+        # viewed: a few cross-layer layouts view their storage with axes merged
+        "tensors": [list(a.sizes) for a in allocations(buffer.layout, buffer.geometry, buffer.num_blocks)],
     }
     if auth_key is not None:
         header["mac"] = mac(auth_key, header, payload(chunk))
@@ -220,6 +231,84 @@ def chunk_from(header: Header, flat: torch.Tensor) -> Chunk:
         offset += count
     buffer = from_storage(header.layout, header.geometry, len(header.block_keys), tensors)
     return Chunk(header.block_keys, buffer, header.signature, header.crc)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a load puts a stored chunk's blocks: its ``positions`` into ``block_ids`` of a
+    paged host ``cache`` (of the chunk's layout and geometry)."""
+
+    cache: KVCache
+    positions: list[int]
+    block_ids: list[int]
+
+
+_scratch = threading.local()  # each fetch thread's buffer for bytes that are only checksummed
+
+
+def read_payload(fd: int, header: Header, into: Placement) -> int:
+    """Read a checked header's payload from the open file ``fd`` straight into the cache
+    blocks ``into`` names, with no buffer between: the CRC32C of the whole payload (bytes of
+    positions not loaded go to a scratch buffer of this thread, only to be summed). What the
+    cache blocks hold is the chunk's only when the CRC is the header's. OSError when the file
+    cannot be read; needs :func:`kvlab.transfer.file_reads.unavailable` to be None."""
+    plan = _file_runs(header.layout, header.geometry, len(header.block_keys), tuple(into.positions),
+                      into.cache.layout.name, into.cache.num_blocks, header.payload_bytes)
+    bases = torch.tensor([t.data_ptr() for t in into.cache.storage], dtype=torch.int64)
+    block_ids = torch.as_tensor(into.block_ids, dtype=torch.int64)
+    scratch = _scratch_of(plan.scratch_bytes)
+    addresses = torch.full_like(plan.lengths, scratch)
+    addresses[plan.is_run] = bases[plan.dst_tensor] + plan.dst_offset + block_ids[plan.position] * plan.dst_step
+    return file_reads.read_runs(fd, header.payload_start, addresses, plan.lengths, scratch)
+
+
+@dataclass(frozen=True)
+class _FileRuns:
+    """A load's runs in file order, the gaps between them (read to scratch, only summed)
+    included: each run's length, whether it lands in the cache, and where (its tensor, its
+    offset in block 0, its block step, and which of the load's positions it belongs to)."""
+
+    lengths: torch.Tensor
+    is_run: torch.Tensor
+    dst_tensor: torch.Tensor
+    dst_offset: torch.Tensor
+    dst_step: torch.Tensor
+    position: torch.Tensor
+    scratch_bytes: int
+
+
+@functools.lru_cache(maxsize=256)
+def _file_runs(layout: str, geometry: ModelGeometry, num_blocks: int, positions: tuple[int, ...], cache_layout: str,
+               cache_blocks: int, payload_bytes: int) -> _FileRuns:
+    """What :func:`read_payload` reads for ``positions`` of a chunk, worked out once per
+    chunk shape and positions: the chunk's tensors lie back to back in the payload."""
+    source = allocate(layout, geometry, num_blocks, "meta")
+    sizes = [a.numel * geometry.itemsize for a in allocations(layout, geometry, num_blocks)]
+    starts = torch.tensor([0, *sizes[:-1]], dtype=torch.int64).cumsum(0)
+    cache = allocate(cache_layout, geometry, cache_blocks, "meta")
+    src_t, src_o, dst_t, dst_o, length = block_runs(source, positions, cache, [0] * len(positions))
+    step = block_runs(source, positions, cache, [1] * len(positions))[3] - dst_o  # one block further on
+    position = torch.arange(length.numel()) // max(1, length.numel() // max(1, len(positions)))
+    at = starts[src_t] + src_o
+    order = at.argsort()
+    at, length = at[order], length[order]
+    gaps = torch.cat([at, torch.tensor([payload_bytes])]) - torch.cat([torch.zeros(1, dtype=torch.int64), at + length])
+    if bool((gaps < 0).any()):
+        raise RuntimeError(f"the runs of positions {list(positions)} overlap in a {layout} chunk")
+    lengths = torch.stack([gaps, torch.cat([length, torch.zeros(1, dtype=torch.int64)])], 1).flatten()[:-1]
+    is_run = torch.arange(lengths.numel()) % 2 == 1  # gap, run, gap, run, ..., the trailing gap
+    keep = lengths > 0
+    return _FileRuns(lengths[keep].contiguous(), is_run[keep].contiguous(), dst_t[order], dst_o[order],
+                     step[order], position[order], int(gaps.max()))
+
+
+def _scratch_of(nbytes: int) -> int:
+    """The address of this thread's scratch buffer of at least ``nbytes`` (kept and reused:
+    a new one's pages would fault in at every read)."""
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or buffer.numel() < nbytes:
+        _scratch.buffer = buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+    return buffer.data_ptr()
 
 
 class ForgedChunk(FailedCheck):

@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from kvlab.store.chunk import Chunk, Header
+from kvlab.store.chunk import Chunk, Header, Placement
 from kvlab.store.faults import FAULTS
 from kvlab.store.keys import holds, shard_key, valid_key
 from kvlab.store.tiers import (
@@ -32,14 +32,15 @@ WHOLE = (0, 1)
 
 @dataclass(frozen=True)
 class Fetched:
-    """What :meth:`KVStore.fetch` found: the checked chunk (None on a miss), the tier that
-    gave it, every tier tried that could not, and whether the memory tier's copy failed its
-    check and was dropped."""
+    """What :meth:`KVStore.fetch` found: the checked chunk (None on a miss or a delivery into
+    the cache), the tier that gave it, every tier tried that could not, and whether the
+    memory tier's copy failed its check and was dropped."""
 
     chunk: Chunk | None
     tier: str | None = None
     missed: tuple[str, ...] = ()
     dropped: bool = False
+    delivered: bool = False  # read straight into the cache a Placement named: no chunk
 
 
 @dataclass(frozen=True)
@@ -143,13 +144,17 @@ class KVStore:
 
     # ---- reads -------------------------------------------------------------------------
     def fetch(self, chunk_key: str, expect: str | None = None, *, tier: str = "memory",
-              blocks: Mapping[int, str] | None = None, shard: tuple[int, int] = WHOLE) -> Fetched:
+              blocks: Mapping[int, str] | None = None, shard: tuple[int, int] = WHOLE,
+              into: Placement | None = None) -> Fetched:
         """The chunk from ``tier``, else from the next shared tier that holds it (a file
         another process evicted, a damaged copy), checked: intact (a shared tier's always,
         memory's with ``verify="always"``: a damaged one is dropped), of signature ``expect``
         when given, and holding at each position the block ``blocks`` names there (in a
         shared tier: the ``shard`` (rank, workers) of it). A chunk read from a shared tier is
-        marked used, and kept in memory with ``promote`` if it fits."""
+        marked used, and kept in memory with ``promote`` if it fits. With ``into``, a tier
+        that can (a file's, into a host cache: ``can_read_into``) reads the blocks straight
+        into the cache instead, checked as they arrive: then ``delivered`` and no chunk; a
+        tier whose read fails its check leaves those blocks to the next tier or to vLLM."""
         names = [t.name for t in (self._memory, *self._shared)]
         if tier not in names:
             raise ValueError(f"this store has no {tier!r} tier; it has {names}")
@@ -161,18 +166,30 @@ class KVStore:
                 chunk, dropped = self._from_memory(chunk_key)
                 wanted = blocks
             else:
-                chunk = source.get(chunk_key) if valid_key(chunk_key) else None
                 wanted = blocks if shard == WHOLE else {p: shard_key(k, *shard) for p, k in (blocks or {}).items()}
-            if chunk is not None and expect is not None and chunk.signature != expect:
-                self.stats.mismatched += 1
-                chunk = None
-            if chunk is not None and all(holds(chunk.block_keys, p, k) for p, k in (wanted or {}).items()):
+                if into is not None and valid_key(chunk_key) and _reads_into(source, into):
+                    if source.read_into(chunk_key, into, lambda header: self._fits(header, expect, wanted)):
+                        source.touch(chunk_key)
+                        self.stats.read_into_cache += 1
+                        return Fetched(None, source.name, tuple(missed), dropped, delivered=True)
+                    missed.append(source.name)
+                    continue
+                chunk = source.get(chunk_key) if valid_key(chunk_key) else None
+            if chunk is not None and self._fits(chunk, expect, wanted):
                 if source is not self._memory:
                     source.touch(chunk_key)  # eviction follows use, not write time
                     self._promote(chunk, shard)
                 return Fetched(chunk, source.name, tuple(missed), dropped)
             missed.append(source.name)
         return Fetched(None, None, tuple(missed), dropped)
+
+    def _fits(self, found: Chunk | Header, expect: str | None, wanted: Mapping[int, str] | None) -> bool:
+        """Whether a chunk (or a chunk's checked header) is of signature ``expect`` (a
+        mismatch is counted) and holds at each position the block ``wanted`` names there."""
+        if expect is not None and found.signature != expect:
+            self.stats.mismatched += 1
+            return False
+        return all(holds(found.block_keys, p, k) for p, k in (wanted or {}).items())
 
     # ---- what a scheduler asks of the shared tiers, without loading ---------------------
     def check_shared(self) -> None:
@@ -276,3 +293,10 @@ class KVStore:
 
     def __contains__(self, chunk_key: str) -> bool:
         return chunk_key in self._memory
+
+
+def _reads_into(tier: Tier, into: Placement) -> bool:
+    """Whether ``tier`` reads a chunk straight into the cache ``into`` names (an optional
+    part of the tier protocol: ``can_read_into`` and ``read_into``, as the disk tier has)."""
+    can = getattr(tier, "can_read_into", None)
+    return can is not None and can(into.cache)

@@ -99,7 +99,7 @@ def copy_plan(
     """Byte runs that copy blocks ``src_blocks`` of ``src`` to ``dst_blocks`` of ``dst``: one
     block's runs (:func:`_block_runs`, worked out once per pair of layouts and shapes) moved
     to each block pair, then merged across blocks."""
-    src_t, src_o, dst_t, dst_o, length = _per_block_runs(src, src_blocks, dst, dst_blocks, layers)
+    src_t, src_o, dst_t, dst_o, length = block_runs(src, src_blocks, dst, dst_blocks, layers)
     if not length.numel():
         return CopyPlan(src_t, src_o, dst_t, dst_o, length)
     ((src_t, src_o), (dst_t, dst_o)), merged = merge_runs([(src_t, src_o), (dst_t, dst_o)], length)
@@ -111,16 +111,17 @@ def block_run_addresses(src: KVCache, src_blocks: Sequence[int], dst: KVCache, d
     """Source addresses, destination addresses and lengths of the copy, each block's runs
     apart (not merged across blocks): a batch copy takes a few more runs for a plan that
     costs a few tensor operations (a connector's load of a chunk, planned once and run once)."""
-    src_t, src_o, dst_t, dst_o, length = _per_block_runs(src, src_blocks, dst, dst_blocks, layers)
+    src_t, src_o, dst_t, dst_o, length = block_runs(src, src_blocks, dst, dst_blocks, layers)
     src_base = torch.tensor([x.data_ptr() for x in src.storage], dtype=torch.int64)
     dst_base = torch.tensor([x.data_ptr() for x in dst.storage], dtype=torch.int64)
     return src_base[src_t] + src_o, dst_base[dst_t] + dst_o, length
 
 
-def _per_block_runs(src: KVCache, src_blocks: Sequence[int], dst: KVCache, dst_blocks: Sequence[int],
-                    layers: Sequence[int] | None) -> tuple[torch.Tensor, ...]:
+def block_runs(src: KVCache, src_blocks: Sequence[int], dst: KVCache, dst_blocks: Sequence[int],
+               layers: Sequence[int] | None = None) -> tuple[torch.Tensor, ...]:
     """The columns of :class:`CopyPlan` for every block pair, block 0's runs moved by each
-    pair's block strides, not merged across blocks."""
+    pair's block strides, not merged across blocks: a few tensor operations, no storage
+    read (``src`` may be a meta-device cache that only describes a layout)."""
     sb = torch.as_tensor(list(src_blocks), dtype=torch.int64)
     db = torch.as_tensor(list(dst_blocks), dtype=torch.int64)
     (src_t, src_o, dst_t, dst_o, length), (src_step, dst_step) = _block_runs(

@@ -17,6 +17,7 @@ pytest.importorskip("vllm")
 from kvlab.cache import ModelGeometry, allocate, layer_name  # noqa: E402
 from kvlab.connector import ConnectorConfig, KVLabConnector, reset_stores  # noqa: E402
 from kvlab.harness.driver import connector_pair, prefill, register, settle, stand_in_config, vllm_request  # noqa: E402
+from kvlab.transfer import file_reads  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fresh_stores")
 
@@ -76,6 +77,33 @@ def test_round_trip_bit_exact(variant: str, layerwise: bool) -> None:
         assert worker.stats.load_segments == 7 and worker.stats.save_segments == 7
     else:
         assert worker.stats.load_segments >= 7 * geometry.num_layers
+
+@pytest.mark.parametrize("tier", ["shm", "disk"])
+@pytest.mark.parametrize("variant", ["vllm>=0.29 CPU_LBHNC", "vllm>=0.29 BLHNC", "vllm0.26 NHD cross", "ascend_kv_tuple"])
+def test_a_shared_tier_hit_is_read_straight_into_the_cache_bit_exact(tmp_path, variant: str, tier: str) -> None:
+    """With the worker's memory emptied, a whole-step hit comes from a file, each chunk read
+    into vLLM's blocks with no buffer between (a layerwise one through a buffer, layer by
+    layer): the same bytes either way."""
+    for layerwise in (False, True):
+        extra = {"tiers": ["memory", tier], tier: {"path": str(tmp_path / f"{tier}-{layerwise}")},
+                 "chunk_size": 3 * BS, "layerwise": layerwise, "store_name": f"{tier}-{layerwise}"}
+        scheduler, worker = connectors(GQA, extra)
+        register(worker, variant, GQA, NUM_BLOCKS)
+        for tensor in worker.cache.storage:
+            tensor.view(torch.int32).random_()
+        prompt = [(7 * i) % 501 for i in range(7 * BS + 5)]
+        assert run_step(scheduler, worker, "a", prompt, [3, 11, 5, 20, 8, 14, 1, 17], layerwise) == 0
+        expected = block_bytes(worker, [3, 11, 5, 20, 8, 14, 1])
+        scheduler.reset_cache()  # the workers' memory goes: the hit comes from the files
+        settle(scheduler, worker)
+        for tensor in worker.cache.storage:
+            tensor.zero_()
+        assert run_step(scheduler, worker, "b", prompt, [9, 2, 23, 6, 15, 0, 12, 19], layerwise) == 7 * BS
+        assert all(torch.equal(a, b) for a, b in zip(expected, block_bytes(worker, [9, 2, 23, 6, 15, 0, 12, 19][:7])))
+        reads = worker.worker.store.stats
+        assert getattr(reads, f"{tier}_reads") == 3 and worker.stats.load_errors == 0
+        assert reads.read_into_cache == (0 if layerwise or file_reads.unavailable() else 3)
+
 
 
 @pytest.mark.parametrize("layout, geometry", [("ascend_kv_tuple", GQA), ("ascend_mla_tuple", MLA)])

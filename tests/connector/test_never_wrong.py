@@ -240,10 +240,11 @@ def test_after_any_failed_load_what_is_stored_is_right(tmp_path, monkeypatch, fa
             data = bytearray(path.read_bytes())
             data[-9] ^= 0x40
             path.write_bytes(bytes(data))
-    if fault == "failed-copy":
+    if fault == "failed-copy":  # the buffered copy, and a file tier's read straight into the cache
         def broken(*args, **kwargs):
             raise OSError("a copy failed")
         monkeypatch.setattr("kvlab.connector.worker.run_all", broken)
+        monkeypatch.setattr("kvlab.transfer.file_reads.read_runs", broken)
     fill(worker, [5, 6, 7, 8], seed=2)  # another request's KV in b's blocks
     result = step(scheduler, worker, schedule("b", PROMPT, [5, 6, 7, 8, 9], hit))
     assert result["report"].invalid_block_ids == {5, 6, 7, 8}, "handed back to vLLM to recompute"

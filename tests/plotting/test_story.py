@@ -232,3 +232,41 @@ def test_the_engine_differences_reading_says_what_this_run_found():
     assert "cannot run here: no Triton backend here." in same
     apart = str(engine_differences_reading([row("vLLM prefix-cache hit", 0.03, 0.0), row("KVLab whole-step", 0.03, 0.0)]))
     assert "sits 3.0e-02 from recompute" in apart and "batch-invariant" not in apart
+
+
+def _tier_rows(buffered_ms: float, direct_ms: float, repeats: int = 5) -> list[dict]:
+    meta = {"tokens": 2048, "kv_bytes": 47_185_920, "chunks": 8, "layout": "CPU_LBHNC", "hardware": "cpu: Test (2 cores)",
+            "profile": "paper", "run_date": "2026-12-07"}
+
+    def part(tier, path, name, ms):
+        samples = [ms + 0.01 * i for i in range(repeats)]
+        return {**meta, "tier": tier, "path": path, "part": name, "ms": ms, "samples_ms": samples}
+
+    return [part("memory", "buffered", "copy into the cache", 5.0), part("memory", "reference", "STREAM copy of the bytes", 4.0),
+            part("disk", "buffered", "read and checksum", buffered_ms - 5.0),
+            part("disk", "buffered", "copy into the cache", 5.0), part("disk", "buffered", "in all", buffered_ms),
+            part("disk", "into the cache", "read and checksum", direct_ms)]
+
+
+def test_the_tier_reads_table_compares_the_two_reads_within_their_spread():
+    """Notebook 05, section 2: each read as a multiple of the STREAM copy, and the read straight
+    into the cache claimed faster only beyond the spread."""
+    text = str(story.tier_reads_table(_tier_rows(20.0, 10.0)))
+    assert "| disk | straight into the cache |" in text and "2.50×" in text
+    assert "A read from disk straight into the cache takes 10.0 ms less than the buffered read and copy" in text
+    close = str(story.tier_reads_table(_tier_rows(10.0, 10.0, repeats=2)))
+    assert "this run cannot tell a read from disk straight into the cache from the buffered read" in close.lower()
+
+
+def test_each_tier_s_hit_is_judged_against_its_own_target():
+    from kvlab.plotting.story.targets import targets_table
+
+    def hit(path, ratio):
+        return {"path": path, "prompt_tokens": 2048, "overhead_s": ratio * 0.004, "stream_s": 0.004, "bound_ratio": ratio,
+                "overhead_samples_s": [ratio * 0.004] * 5, "hardware": "cpu: Test (2 cores)", "profile": "paper",
+                "run_date": "2026-12-07"}
+
+    text = str(targets_table([hit("KVLab, memory", 1.4), hit("KVLab, shm", 2.2), hit("KVLab, disk", 2.2)], [], [], [], []))
+    assert "hit from memory" in text and "at most 1.50×: met" in text
+    assert "hit from shm" in text and "at most 2.00×: missed" in text
+    assert "hit from disk, in the page cache" in text and "at most 2.50×: met" in text

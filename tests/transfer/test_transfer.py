@@ -578,16 +578,19 @@ def test_batch_copy_splits_bytes_over_threads(threads):
 
 
 def test_batch_copy_without_a_compiler_says_why(monkeypatch, tmp_path):
+    from kvlab.transfer import native
     from kvlab.transfer.methods import memcpy
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     memcpy.native_library.cache_clear()
+    native.library.cache_clear()
     try:
         with pytest.raises(ValueError, match="method 'memcpy' cannot run here: building kvlab's batch copy"):
             Transfer(_kv_cache(), [1], _kv_cache(), method="memcpy")
     finally:
         memcpy.native_library.cache_clear()
+        native.library.cache_clear()
 
 
 def test_transfer_prints_a_line_not_tensors():

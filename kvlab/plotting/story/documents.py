@@ -135,6 +135,7 @@ REGIONS: dict[str, Callable[[Path], Any]] = {
     "at-scale": _at_scale,
     "hit-profile": lambda results: serving.profile_reading(results_for("03_overhead_profile", results)),
     "hit-profile-before": lambda results: serving.profile_reading(results_for("03_overhead_profile_before", results)),
+    "tier-reads": lambda results: tables.tier_reads_table(results_for("03_tier_reads", results)),
     "lengths": lambda results: serving.lengths_reading(results_for("03_costs_by_length", results)),
     "lookups": lambda results: serving.lookups_reading(results_for("03_lookup_scaling", results)),
     "redis-pace": lambda results: serving.pace_reading(results_for("03_redis_pace", results)[0]),

@@ -9,9 +9,9 @@ from typing import Any, Iterable, Sequence
 
 from kvlab.experiments.targets import CPU_TARGETS, ceiling_targets
 from kvlab.experiments.ttft import engine_floor
-from kvlab.harness.spread import MEDIAN_ONLY, Estimate, row_estimate, summary
+from kvlab.harness.spread import MEDIAN_ONLY, Estimate, difference, ratio, row_estimate, spread, summary
 from kvlab.plotting.common import as_records, human_bytes, model_name, short_hardware
-from kvlab.plotting.story.claims import Prose, amount, number, quantity, quoted, span
+from kvlab.plotting.story.claims import Prose, amount, number, paragraphs, quantity, quoted, span, versus
 
 
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
@@ -184,3 +184,39 @@ def peers_table(peers: Any) -> Prose:
                      ["peer", "store", "version", "runs", "tokens loaded", "tokens and logprobs bitwise the control's",
                       "logprob difference from the control", "largest gap to A's whole prefill", "objects a chunk",
                       "keys a node"], body, rows)
+
+
+_READ_PARTS = ("open and check the headers", "read and checksum", "copy into the cache")
+READ_WAYS = {"buffered": "buffered, then copied", "into the cache": "straight into the cache"}
+
+
+def tier_reads_table(rows: Any) -> Prose:
+    """Notebook 05, section 2: a hit from each file tier part by part, read into a buffer
+    and copied, or straight into the cache, beside the memory tier's copy; each whole read
+    as a multiple of the STREAM copy of its bytes, and the two ways compared within their
+    spread (rows of tier_reads.tier_read_profile)."""
+    rows = as_records(rows)
+    parts = {(r["tier"], r["path"], r["part"]): r["samples_ms"] for r in rows}
+    stream = parts.get(("memory", "reference", "STREAM copy of the bytes"))
+    if not rows or not stream:
+        return Prose("")
+    ways = [(tier, path) for tier, path in dict.fromkeys((r["tier"], r["path"]) for r in rows) if path != "reference"]
+
+    def whole(tier: str, path: str) -> list[float]:
+        return parts.get((tier, path, "in all")) or parts.get((tier, path, "read and checksum")) \
+            if path != "buffered" or tier != "memory" else parts[(tier, path, "copy into the cache")]
+
+    body = [[tier, READ_WAYS.get(path, path),
+             *(_ms(spread([s / 1e3 for s in parts[(tier, path, p)]])) if (tier, path, p) in parts else ""
+               for p in _READ_PARTS),
+             _ms(spread([s / 1e3 for s in whole(tier, path)])), quantity(ratio(whole(tier, path), stream), "×", 2)]
+            for tier, path in ways]
+    first = rows[0]
+    table = captioned(f"A {first['tokens']:,}-token hit ({first['kv_bytes'] / 1e6:,.1f} MB in {first['chunks']} "
+                      f"chunks of {first['layout']}), read on one thread, median (min–max) over "
+                      f"{len(stream)} repeats; the STREAM copy of its bytes {_ms(spread([s / 1e3 for s in stream]))}",
+                      ["tier", "read", *_READ_PARTS, "in all", "× the STREAM copy"], body, rows)
+    compared = [versus(difference(parts[(tier, "into the cache", "read and checksum")], whole(tier, "buffered")),
+                       f"a read from {tier} straight into the cache", "the buffered read and copy", less="less")
+                for tier, path in ways if path == "into the cache"]
+    return paragraphs(table, Prose(" ".join(f"{c[0].upper()}{c[1:]}." for c in compared)) if compared else None)

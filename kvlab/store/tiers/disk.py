@@ -7,25 +7,27 @@ from __future__ import annotations
 
 import errno
 import os
-from collections import OrderedDict
 import re
 import socket
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, ClassVar
+from typing import Any, BinaryIO, Callable, ClassVar
 
 import torch
 
-from kvlab.store.chunk import FILE_SUFFIX, Chunk, Header, authentic, chunk_from, encode_header, parse_header, payload
+from kvlab.cache.allocation import KVCache
+from kvlab.store.chunk import (FILE_SUFFIX, Chunk, Header, Placement, authentic, chunk_from, encode_header,
+                               parse_header, payload, read_payload)
 from kvlab.store.keys import valid_key
-from kvlab.store.safe_paths import Folder, open_folder
+from kvlab.store.safe_paths import open_folder
 from kvlab.store.tiers.backoff import Backoff
-from kvlab.store.tiers.folders import STALE_TMP_S, TMP_FILE, process_alive
+from kvlab.store.tiers.folders import TMP_FILE, stale_temporary, stamp_used
 from kvlab.store.tiers.settings import TierSettings, check_bytes, check_folder, filesystem_room
 from kvlab.store.tiers.stats import StoreStats
-
+from kvlab.transfer import file_reads
 
 # Chunks whose block keys a disk tier keeps in memory, most recently used: the others are
 # found by their file when a lookup names them, so memory stays bounded however many are stored.
@@ -33,22 +35,6 @@ INDEXED_CHUNKS = 8192
 # Seconds after which the bytes the folder holds are counted again (other processes write to
 # it too): between counts a tier adds what it wrote itself.
 RECOUNT_S = 10.0
-
-_last_use_ns = 0
-_stamp_lock = threading.Lock()  # every tier of the process stamps from the one clock
-
-
-def _stamp(folder: Folder, name: str) -> None:
-    """Mark file ``name`` used now, strictly after every use this process marked before (any
-    thread, any tier): a file system's clock ticks in milliseconds, and uses in one tick would
-    tie and evict in any order. Gone or read-only: eviction order is only a preference."""
-    global _last_use_ns
-    with _stamp_lock:
-        _last_use_ns = used = max(time.time_ns(), _last_use_ns + 1)
-    try:
-        folder.utime(name, (used, used))
-    except OSError:
-        pass
 
 
 class DiskTier:
@@ -122,7 +108,7 @@ class DiskTier:
         """The chunk read from its file and checked; None (a miss) for anything else."""
         name = self._name(chunk_key)
         self.stats.read_from(self.name)
-        read = self._read(name, chunk_key, payload=True)
+        read = self._read(name, chunk_key, lambda f, header: self._payload(f, self.path / name, header))
         if read is None:
             return None
         header, flat = read
@@ -135,6 +121,28 @@ class DiskTier:
             self._reject(name, "forged", ValueError("no valid MAC for this store's auth_key"))
             return None
         return chunk
+
+    def can_read_into(self, cache: KVCache) -> bool:
+        """Whether :meth:`read_into` can fill ``cache``: a host cache, kvlab's checked reads
+        built here, and no ``auth_key`` (a MAC is checked over a buffer)."""
+        return self.auth_key is None and cache.storage[0].device.type == "cpu" and file_reads.unavailable() is None
+
+    def read_into(self, chunk_key: str, into: Placement, accept: Callable[[Header], bool]) -> Header | None:
+        """Read the chunk's payload straight into the cache blocks ``into`` names once
+        ``accept`` takes its checked header, its CRC computed as the bytes arrive: the header
+        when the blocks hold the chunk. None for a miss: a missing or bad file, a header
+        ``accept`` refuses (the cache untouched), or a payload that fails its checksum (dropped
+        as :meth:`get` drops it; its blocks hold damage, for another tier or vLLM to redo)."""
+        name = self._name(chunk_key)
+        self.stats.read_from(self.name)
+        read = self._read(name, chunk_key,
+                          lambda f, header: read_payload(f.fileno(), header, into) if accept(header) else None)
+        if read is None or read[1] is None:
+            return None
+        if read[1] != read[0].crc:
+            self._reject(name, "corrupt", ValueError("checksum does not match"))
+            return None
+        return read[0]
 
     def check(self) -> None:
         """Nothing: a folder that cannot be written pauses the tier, it never fails start-up."""
@@ -152,7 +160,7 @@ class DiskTier:
 
     def touch(self, chunk_key: str) -> None:
         """Mark a chunk used now, so that eviction follows use, not write time."""
-        _stamp(self._folder, self._name(chunk_key))
+        stamp_used(self._folder, self._name(chunk_key))
 
     # ---- updates -------------------------------------------------------------------
     def put(self, chunk: Chunk) -> bool:
@@ -182,9 +190,10 @@ class DiskTier:
         self._unlink(self._name(chunk_key))
 
     # ---- internals -----------------------------------------------------------------
-    def _read(self, name: str, chunk_key: str, payload: bool) -> tuple[Header, torch.Tensor | None] | None:
-        """The file's checked header, and its payload when asked; None for a missing file
-        (forgotten), a bad header (counted and dropped) or a file that cannot be read."""
+    def _read(self, name: str, chunk_key: str,
+              then: Callable[[BinaryIO, Header], Any] | None = None) -> tuple[Header, Any] | None:
+        """The file's checked header, and what ``then`` makes of it and the open file; None for
+        a missing file (forgotten), a bad header (counted, dropped) or one that cannot be read."""
         path = self.path / name
         try:
             with open(self._folder.open(name, os.O_RDONLY), "rb") as f:
@@ -193,7 +202,7 @@ class DiskTier:
                 except ValueError:
                     self.stats.bad_headers += 1
                     raise
-                return header, self._payload(f, path, header) if payload else None
+                return header, then(f, header) if then is not None else None
         except FileNotFoundError:  # another process evicted it, or it never was: a plain miss
             self._forget(chunk_key)
         except ValueError as error:
@@ -211,7 +220,7 @@ class DiskTier:
             rejected = self._rejected.get(chunk_key)
         if rejected is not None and rejected == self.identity(chunk_key):
             return None
-        read = self._read(self._name(chunk_key), chunk_key, payload=False)
+        read = self._read(self._name(chunk_key), chunk_key)
         if read is None:
             return None
         header = read[0]
@@ -250,7 +259,7 @@ class DiskTier:
         except BaseException:
             self._unlink(tmp, count=False)
             raise
-        _stamp(self._folder, name)
+        stamp_used(self._folder, name)
         self._add(chunk.block_keys)
         with self._lock:
             if self._held is not None:
@@ -312,20 +321,14 @@ class DiskTier:
         return total
 
     def _remove_stale_tmp(self) -> None:
-        """Partial files of writers that died (this host: the process is gone; another
-        host sharing the folder: older than STALE_TMP_S)."""
-        now = time.time()
+        """Partial files of writers that died (kvlab.store.tiers.folders.stale_temporary)."""
         try:
             temporary = self._folder.entries(lambda name: bool(TMP_FILE.match(name)))
         except OSError:
             return
-        for name, stat in temporary:
-            match = TMP_FILE.match(name)
-            same_host = match["host"] in (self._host, None)
-            pid = int(match["pid"] or match["old_pid"])
-            if (same_host and not process_alive(pid)) or (not same_host and now - stat.st_mtime_ns / 1e9 > STALE_TMP_S):
-                if self._unlink(name):
-                    self.stats.stale_tmp_removed += 1
+        for name in stale_temporary(temporary, self._host, time.time()):
+            if self._unlink(name):
+                self.stats.stale_tmp_removed += 1
 
     def _add(self, block_keys: list[str]) -> None:
         chunk_key = block_keys[-1]

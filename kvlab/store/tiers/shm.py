@@ -17,8 +17,9 @@ from kvlab.store.tiers.disk import DiskSettings, DiskTier
 
 class SharedMemoryTier(DiskTier):
     """The disk tier's files in a memory-backed folder (``/dev/shm``): every process and
-    engine on the host shares them, and a read maps the file instead of copying it (the
-    chunk's tensors are the page-cache pages themselves, copy-on-write). With ``auth_key``
+    engine on the host shares them. :meth:`get` maps the file instead of copying it (the
+    chunk's tensors are the page-cache pages themselves, copy-on-write); a whole-step load
+    reads it straight into the cache instead (:meth:`DiskTier.read_into`). With ``auth_key``
     a read copies the file, as the disk tier does: a mapping shows what a writer without
     the key writes into the file after its MAC was checked."""
 

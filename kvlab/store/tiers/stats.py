@@ -19,6 +19,7 @@ class StoreStats:
     shm_reads: int = 0
     redis_reads: int = 0
     mooncake_reads: int = 0
+    read_into_cache: int = 0  # of those, chunks a file tier read straight into the cache (no buffer between)
     bad_headers: int = 0  # files skipped because their header failed the schema
     read_errors: int = 0  # a file that could not be read (I/O error): a miss
     write_errors: int = 0  # a chunk a shared tier could not write (full, read-only, server down, ...)

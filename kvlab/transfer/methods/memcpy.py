@@ -7,17 +7,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvlab.cache.allocation import KVCache
+from kvlab.transfer import native
 from kvlab.transfer.common import accelerator
 from kvlab.transfer.plan import block_run_addresses
 from kvlab.transfer.registry import CopyMethod, register
@@ -25,36 +20,14 @@ from kvlab.transfer.registry import CopyMethod, register
 if TYPE_CHECKING:
     from kvlab.transfer.engine import Transfer
 
-SOURCE = Path(__file__).resolve().parent.parent / "native" / "copy_runs.c"
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvlab"
-
 
 @functools.cache
 def native_library() -> ctypes.CDLL | str:
     """The compiled batch copy, or why there is none (no C compiler, a failed build)."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if not compiler:
-        return "no C compiler on PATH to build kvlab's batch copy (install gcc, or set CC)"
-    source = SOURCE.read_bytes()
-    built = _cache_dir() / f"copy_runs-{hashlib.sha256(source).hexdigest()[:12]}.so"
-    if not built.exists():
-        built.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=built.parent) as scratch:  # then renamed: processes may race
-            out = Path(scratch) / built.name
-            try:
-                done = subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-pthread", str(SOURCE), "-o", str(out)],
-                                      capture_output=True, text=True)
-            except OSError as error:
-                return f"building kvlab's batch copy with {compiler} failed: {error}"
-            if done.returncode:
-                return f"building kvlab's batch copy with {compiler} failed: {done.stderr.strip()[-300:]}"
-            os.replace(out, built)
-    library = ctypes.CDLL(str(built))
-    library.kvlab_copy_runs.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int]
-    library.kvlab_copy_runs.restype = ctypes.c_int
+    library = native.library("copy_runs", "batch copy")
+    if not isinstance(library, str):
+        library.kvlab_copy_runs.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int]
+        library.kvlab_copy_runs.restype = ctypes.c_int
     return library
 
 
