@@ -10,6 +10,7 @@ from typing import Sequence
 import matplotlib.pyplot as plt
 import matplotlib.ticker
 
+from kvlab.experiments.scaling import UNPINNED
 from kvlab.plotting.common import (BLACK, BLUE, CROSS_LAYER, CYCLE, DEFAULT_WIDTH, GREY, PER_LAYER, PURPLE, SMALL,
                                    VERMILLION, measured, one_run, panels, paper_figure,
                                    plain_log_ticks, readable, unique_legend, wrap)
@@ -18,7 +19,9 @@ from kvlab.plotting.common import title as figure_title
 PATH_STYLES = {"KVLab, memory": (BLUE, "o"), "KVLab, shm": (CYCLE[5], "s"), "KVLab, disk": (CYCLE[2], "^"),
                "KVLab, redis": (VERMILLION, "D"), "ExampleConnector": (PURPLE, "v")}
 SERVER_STYLES = {"KVLabConnector": (BLUE, "o"), "KVLabConnector alone": (CYCLE[5], "s"),
-                 "vLLM prefix cache": (BLACK, "^"), "no cache": (GREY, "v")}
+                 "vLLM prefix cache": (BLACK, "^"), "no cache": (GREY, "v"), UNPINNED: (CYCLE[2], "D")}
+SERVER_LABELS = {UNPINNED: "KVLabConnector, unpinned"}  # the data's name is too long for a column's legend
+DODGE = 0.12  # log2 units between servers at one level: servers whose numbers coincide stay visible
 
 
 @paper_figure
@@ -71,16 +74,21 @@ def lookup_scaling_figure(rows: Sequence[dict], title: str = "", width: str | fl
 
 @paper_figure
 def concurrency_figure(rows: Sequence[dict], title: str = "", width: str | float = DEFAULT_WIDTH) -> plt.Figure:
-    """Throughput and p99 time to first token against concurrent requests, per server."""
+    """Throughput and p99 time to first token against concurrent requests, per server, each
+    server drawn a little to the side of each level (:data:`DODGE`; p50 beside its p99), so
+    that series whose numbers coincide stay visible."""
     rows, title = one_run(rows, title)
     fig, (ax, tail) = panels(2, width, 2.2)
-    for server in dict.fromkeys(r["server"] for r in rows):
+    servers = list(dict.fromkeys(r["server"] for r in rows))
+    for i, server in enumerate(servers):
         colour, marker = SERVER_STYLES.get(server, (GREY, "o"))
+        label = SERVER_LABELS.get(server, server)
         mine = sorted((r for r in rows if r["server"] == server), key=lambda r: r["concurrency"])
-        levels = [r["concurrency"] for r in mine]
-        ax.plot(levels, [r["throughput_rps"] for r in mine], marker=marker, color=colour, label=server)
-        tail.plot(levels, [r["ttft_p99_s"] for r in mine], marker=marker, color=colour, label=server)
-        tail.plot(levels, [r["ttft_p50_s"] for r in mine], marker=marker, color=colour, ls=":", alpha=0.6)
+        levels = [r["concurrency"] * 2 ** (DODGE * (i - (len(servers) - 1) / 2)) for r in mine]
+        ax.plot(levels, [r["throughput_rps"] for r in mine], marker=marker, color=colour, label=label)
+        tail.plot(levels, [r["ttft_p99_s"] for r in mine], marker=marker, color=colour, label=label)
+        beside = [level * 2 ** (DODGE / 2) for level in levels]  # p50 beside its p99: they may coincide
+        tail.plot(beside, [r["ttft_p50_s"] for r in mine], marker=marker, color=colour, ls=":", alpha=0.6)
     ax.set_ylabel("requests per second")
     tail.set_yscale("log")
     tail.plot([], [], ls=":", color=GREY, label="p50 (dotted; p99 solid)")
