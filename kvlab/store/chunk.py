@@ -242,6 +242,13 @@ class Placement:
     positions: list[int]
     block_ids: list[int]
 
+    def __post_init__(self) -> None:
+        if len(self.positions) != len(self.block_ids) or len(set(self.block_ids)) != len(self.block_ids):
+            raise ValueError(f"a placement puts each position into a block of its own: got positions {self.positions} "
+                             f"for blocks {self.block_ids}")
+        if any(not 0 <= b < self.cache.num_blocks for b in self.block_ids):
+            raise ValueError(f"block ids {self.block_ids} outside the cache's {self.cache.num_blocks} blocks")
+
 
 _scratch = threading.local()  # each fetch thread's buffer for bytes that are only checksummed
 

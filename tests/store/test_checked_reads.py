@@ -165,3 +165,13 @@ def test_every_stored_layout_comes_back_from_a_file(tmp_path: Path, layout: str)
     KVStore(tiers={"disk": {"path": tmp_path}}).save(chunk, memory=False)
     found = KVStore(tiers={"disk": {"path": tmp_path}}).fetch(chunk.key, tier="disk")
     assert found.chunk is not None and same_bytes(found.chunk, chunk)
+
+
+@pytest.mark.parametrize("positions, block_ids, message", [
+    ([0, 1], [3], "each position into a block of its own"),
+    ([0, 1], [3, 3], "each position into a block of its own"),
+    ([0], [9], "outside the cache's 4 blocks"),
+])
+def test_a_placement_that_cannot_be_right_is_refused(positions, block_ids, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        Placement(allocate("CPU_LBHNC", KV, 4), positions, block_ids)

@@ -203,8 +203,8 @@ def tier_reads_table(rows: Any) -> Prose:
     ways = [(tier, path) for tier, path in dict.fromkeys((r["tier"], r["path"]) for r in rows) if path != "reference"]
 
     def whole(tier: str, path: str) -> list[float]:
-        return parts.get((tier, path, "in all")) or parts.get((tier, path, "read and checksum")) \
-            if path != "buffered" or tier != "memory" else parts[(tier, path, "copy into the cache")]
+        """The read's samples in all: its last part when it has no total of its own."""
+        return next(parts[(tier, path, p)] for p in ("in all", *reversed(_READ_PARTS)) if (tier, path, p) in parts)
 
     body = [[tier, READ_WAYS.get(path, path),
              *(_ms(spread([s / 1e3 for s in parts[(tier, path, p)]])) if (tier, path, p) in parts else ""
