@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import shutil
 import statistics
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -18,6 +17,7 @@ import torch
 
 from kvlab.cache import ModelGeometry, allocate
 from kvlab.experiments.scaling import with_stream_bound
+from kvlab.experiments.timing import repeated
 from kvlab.runtime.progress import progress
 from kvlab.store import KVStore
 from kvlab.store.chunk import FILE_SUFFIX, Chunk, Placement, checksum
@@ -113,12 +113,7 @@ def _read_whole(path: Path, into: torch.Tensor) -> None:
 def _timer(parts: dict[tuple[str, str, str], list[float]], repeats: int) -> Callable:
     """Time a call ``repeats`` times after two that warm up, into ``parts[key]``."""
     def timed(key: tuple[str, str, str], call: Callable[[], object]) -> None:
-        times = []
-        for i in range(repeats + 2):
-            began = time.perf_counter()
-            call()
-            if i >= 2:
-                times.append(time.perf_counter() - began)
-        parts[key] = times
+        repeated(call, 2)
+        parts[key] = repeated(call, repeats)
 
     return timed

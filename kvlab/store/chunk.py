@@ -20,7 +20,7 @@ from typing import BinaryIO, Iterable, Sequence
 import google_crc32c
 import torch
 
-from kvlab.cache.allocation import KVCache, allocate, allocations, from_storage
+from kvlab.cache.allocation import Allocation, KVCache, allocate, allocations, from_storage
 from kvlab.cache.geometry import DTYPES, ModelGeometry, dtype_name
 from kvlab.cache.layouts import LAYOUTS
 from kvlab.cache.quant import QUANTS
@@ -222,13 +222,20 @@ def header_length(prefix: bytes) -> int:
     return start + length
 
 
+def _payload_spans(layout: str, geometry: ModelGeometry, num_blocks: int) -> list[tuple[Allocation, int, int]]:
+    """Each of a chunk's tensors with its first byte and byte count in the payload, where
+    they lie back to back."""
+    spans, start = [], 0
+    for alloc in allocations(layout, geometry, num_blocks):
+        spans.append((alloc, start, alloc.numel * geometry.itemsize))
+        start += spans[-1][2]
+    return spans
+
+
 def chunk_from(header: Header, flat: torch.Tensor) -> Chunk:
     """The chunk a checked header and its payload bytes describe (not yet checksummed)."""
-    tensors, offset = [], 0
-    for alloc in allocations(header.layout, header.geometry, len(header.block_keys)):
-        count = alloc.numel * header.geometry.itemsize
-        tensors.append(flat[offset:offset + count].view(header.geometry.dtype).view(alloc.sizes))
-        offset += count
+    tensors = [flat[start:start + count].view(header.geometry.dtype).view(alloc.sizes)
+               for alloc, start, count in _payload_spans(header.layout, header.geometry, len(header.block_keys))]
     buffer = from_storage(header.layout, header.geometry, len(header.block_keys), tensors)
     return Chunk(header.block_keys, buffer, header.signature, header.crc)
 
@@ -290,8 +297,7 @@ def _file_runs(layout: str, geometry: ModelGeometry, num_blocks: int, positions:
     """What :func:`read_payload` reads for ``positions`` of a chunk, worked out once per
     chunk shape and positions: the chunk's tensors lie back to back in the payload."""
     source = allocate(layout, geometry, num_blocks, "meta")
-    sizes = [a.numel * geometry.itemsize for a in allocations(layout, geometry, num_blocks)]
-    starts = torch.tensor([0, *sizes[:-1]], dtype=torch.int64).cumsum(0)
+    starts = torch.tensor([start for _, start, _ in _payload_spans(layout, geometry, num_blocks)], dtype=torch.int64)
     cache = allocate(cache_layout, geometry, cache_blocks, "meta")
     src_t, src_o, dst_t, dst_o, length = block_runs(source, positions, cache, [0] * len(positions))
     step = block_runs(source, positions, cache, [1] * len(positions))[3] - dst_o  # one block further on
