@@ -270,3 +270,24 @@ def test_each_tier_s_hit_is_judged_against_its_own_target():
     assert "hit from memory" in text and "at most 1.50×: met" in text
     assert "hit from shm" in text and "at most 2.00×: missed" in text
     assert "hit from disk, in the page cache" in text and "at most 2.50×: met" in text
+
+
+def test_a_negative_overhead_is_a_fault_of_its_run_never_a_target_met():
+    """A hit cheaper than the engine's own prefix hit cannot be right: the reading says so and
+    neither it nor the targets table judges the row (a negative multiple would read as met)."""
+    from kvlab.plotting.story.serving import lengths_reading
+    from kvlab.plotting.story.targets import targets_table
+
+    def hit(path, overhead_s):
+        return {"path": path, "prompt_tokens": 2048, "overhead_s": overhead_s, "stream_s": 0.004,
+                "bound_ratio": overhead_s / 0.004, "overhead_samples_s": [overhead_s] * 5,
+                "stream_samples_s": [0.004] * 5, "hardware": "cpu: Test (2 cores)", "profile": "paper",
+                "run_date": "2026-12-07"}
+
+    rows = [hit("KVLab, memory", -0.003), hit("KVLab, shm", 0.006)]
+    reading = str(lengths_reading(rows))
+    assert "1 of these 2 overheads are negative, which cannot be right" in reading
+    assert "a negative overhead, which cannot be right" in reading and "1.50× the STREAM copy" in reading
+    assert "A hit from memory" not in reading, "a fault is not judged"
+    table = str(targets_table(rows, [], [], [], []))
+    assert "not judged: a negative overhead" in table and "met" not in table.split("hit from memory")[1].split("\n")[0]

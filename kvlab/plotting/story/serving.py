@@ -172,16 +172,29 @@ def lengths_reading(lengths: Any) -> Prose:
     for path in dict.fromkeys(r["path"] for r in rows):
         mine = [r for r in rows if r["path"] == path]
         lines.append(f"- {path}: " + ", ".join(
-            f"{r['prompt_tokens']:,} tokens {amount(1e3 * r['overhead_s'])} ({r['bound_ratio']:.2f}× the STREAM copy)"
+            f"{r['prompt_tokens']:,} tokens {amount(1e3 * r['overhead_s'])} "
+            + (f"({overhead_fault(r)})" if overhead_fault(r) else f"({r['bound_ratio']:.2f}× the STREAM copy)")
             for r in mine))
+    negative = [r for r in rows if overhead_fault(r)]
+    fault = (f"{len(negative)} of these {len(rows)} overheads are negative, which cannot be right: a hit does the "
+             "engine's own prefix hit's work and more. This run's spread between samples is larger than what it "
+             "measures, so it measures neither those paths nor their targets; measure again on a quieter or "
+             "faster machine.") if negative else None
     judged = memory_bound_point(rows)
     note = medians_only(*(None if r.get("overhead_samples_s") else median_only(r["overhead_s"]) for r in rows))
     skipped = [f"{r['path']} at {r['prompt_tokens']:,} tokens: {r['skipped']}" for r in as_records(lengths)
                if r.get("skipped")]
     return paragraphs(prose(f"The time to first token over each engine's own prefix hit {quoted(rows)}:"),
                       Prose("\n".join(lines)),
-                      prose(judged,
+                      prose(fault, judged,
                             ("Not run: " + "; ".join(skipped) + ".") if skipped else None, note))
+
+
+def overhead_fault(row: dict) -> str | None:
+    """What is wrong with a hit's overhead over the engine's own prefix hit that cannot be
+    right (a negative one: the hit does that work and more), or None: such a row is a fault
+    of its run, never judged against a target."""
+    return "a negative overhead, which cannot be right" if row["overhead_s"] < 0 else None
 
 
 def memory_bound_point(lengths: Any) -> str | None:
@@ -189,7 +202,8 @@ def memory_bound_point(lengths: Any) -> str | None:
     multiple of the STREAM copy of its bytes, judged against its target; None without one."""
     judged, used = [], []
     for r in as_records(lengths):
-        if r.get("path") == "KVLab, memory" and r["prompt_tokens"] >= 2000 and number(r.get("overhead_s")):
+        if r.get("path") == "KVLab, memory" and r["prompt_tokens"] >= 2000 and number(r.get("overhead_s")) \
+                and not overhead_fault(r):
             overheads, streams = r.get("overhead_samples_s"), r.get("stream_samples_s")
             bound = ratio(overheads, streams) if overheads and streams else median_only(r["bound_ratio"])
             judged.append(f"at {r['prompt_tokens']:,} tokens, {against_target(bound, MEMORY_BOUND_TARGET, unit='×')}")

@@ -12,7 +12,7 @@ from kvlab.plotting.common import as_records
 from kvlab.plotting.story.claims import Prose, against_target, prose, source
 from kvlab.plotting.story.connector import KVLAB_OVER_EXAMPLE_TARGET
 from kvlab.plotting.story.serving import (CONCURRENT_TARGET, HIT_BOUND_TARGETS, LOOKUP_TARGET_MS, REDIS_PACE_TARGET,
-                                          throughput)
+                                          overhead_fault, throughput)
 from kvlab.plotting.story.tables import markdown_table
 from kvlab.harness.spread import Estimate, median_only, ratio, spread, summary_ratio
 
@@ -72,7 +72,8 @@ def targets_table(lengths: Any, lookups: Any, pace: Any, concurrency: Any, servi
             where = f"{tier}, in the page cache" if tier == "disk" else tier
             judged.append((f"{r['prompt_tokens']:,}-token hit from {where}, over the engine's own prefix hit, "
                            "as a multiple of the STREAM copy of its bytes",
-                           against_target(hit_bound(r), HIT_BOUND_TARGETS[tier]), [r]))
+                           f"not judged: {overhead_fault(r)}" if overhead_fault(r)
+                           else against_target(hit_bound(r), HIT_BOUND_TARGETS[tier]), [r]))
     lookups = as_records(lookups)
     for tier in dict.fromkeys(r["tier"] for r in lookups):
         most = max((r for r in lookups if r["tier"] == tier), key=lambda r: r["stored_chunks"])
