@@ -137,7 +137,6 @@ def test_the_committed_executed_notebooks_are_clean():
 
 
 def test_hygiene_sees_what_a_run_should_not_leave(tmp_path):
-    import nbformat
     from nbformat.v4 import new_code_cell, new_output
 
     from kvlab.plotting.story import Headline
