@@ -1,9 +1,12 @@
-"""Which torch device to use: cpu, cuda, or an Ascend npu (through torch_npu)."""
+"""Which torch device to use: cpu, cuda, or an Ascend npu (through torch_npu); and the host's
+last-level cache, which decides how a large host copy is written."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
+from pathlib import Path
 
 import torch
 
@@ -81,3 +84,14 @@ def check_fits(nbytes: int, device: torch.device, what: str) -> None:
             f"{what} needs {nbytes / 2**30:,.1f} GiB, more than the {total / 2**30:,.1f} GiB of memory "
             f"this machine's {device.type} has"
         )
+
+
+@functools.cache
+def last_level_cache_bytes() -> int:
+    """This CPU's last-level cache, from sysfs; 64 MiB where it does not say."""
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = path.read_text().strip().upper()
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+    return max(sizes, default=64 << 20)

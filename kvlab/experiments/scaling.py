@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from kvlab.cache.devices import last_level_cache_bytes
 from kvlab.experiments.sweep import ceiling_copy
 from kvlab.harness.compare import same_outputs
 from kvlab.harness.engine import EngineSpec, check_inputs, run_engine
@@ -128,16 +129,6 @@ def with_stream_bound(rows: list[dict], repeats: int = 15) -> list[dict]:
              "stream_samples_s": bound.get(r["kv_bytes"]),
              "bound_ratio": r["overhead_s"] / statistics.median(bound[r["kv_bytes"]]) if r["kv_bytes"] else None}
             for r in rows]
-
-
-def last_level_cache_bytes() -> int:
-    """This CPU's last-level cache, from sysfs; 64 MiB where it does not say."""
-    sizes = []
-    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        text = path.read_text().strip().upper()
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
-    return max(sizes, default=64 << 20)
 
 
 # ---- concurrent requests through vllm serve ---------------------------------------------------

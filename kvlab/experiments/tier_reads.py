@@ -2,16 +2,18 @@
 its time, part by part, read both ways kvlab reads one: into a buffer that is then copied
 into the paged cache (a layerwise load, or a store with an ``auth_key``, still reads so), and
 straight into the cache's blocks (:func:`kvlab.store.chunk.read_payload`). Beside them, the
-memory tier's copy and the STREAM copy of the same bytes, in the same run. Notebook 05,
+memory tier's copy and the STREAM copy of the same bytes, on the machine's threads and on one
+(what a vLLM CPU worker with one compute thread can copy), in the same run. Notebook 05,
 section 2, and docs/results.md."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import shutil
 import statistics
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -26,6 +28,7 @@ from kvlab.transfer.engine import Transfer, run_all
 
 CHUNK_TOKENS = 256  # the connector's default chunk
 FILE_TIERS = ("shm", "disk")
+ONE_THREAD_STREAM = "STREAM copy of the bytes, one thread"
 
 
 def tier_read_profile(geometry: ModelGeometry, workdir: str | Path, tokens: int = 2048, repeats: int = 15,
@@ -36,7 +39,7 @@ def tier_read_profile(geometry: ModelGeometry, workdir: str | Path, tokens: int 
     the cache, its read straight into the cache (open, read, checksum as the bytes arrive),
     and the kernel's read of the same files into memory already in place, nothing checked
     (what the medium costs); the memory tier's copy; the checksum of the bytes in memory; the STREAM copy of
-    them. One row per (tier, path, part): the median milliseconds and every sample.
+    them on one thread and on the machine's threads. One row per (tier, path, part): the median milliseconds and every sample.
     ``workdir`` holds the disk tier's folder, ``shm_root`` the shm tier's."""
     if tokens < CHUNK_TOKENS or tokens % geometry.block_size or repeats < 1:
         raise ValueError(f"need whole blocks of at least one chunk ({CHUNK_TOKENS} tokens) and a repeat, got "
@@ -57,43 +60,57 @@ def tier_read_profile(geometry: ModelGeometry, workdir: str | Path, tokens: int 
 
     parts: dict[tuple[str, str, str], list[float]] = {}
     timed = _timer(parts, repeats)
-    timed(("memory", "buffered", "copy into the cache"), lambda: copy_in(chunks))
-    timed(("memory", "reference", "checksum of the bytes"), lambda: [checksum(c.buffer.storage) for c in chunks])
-    for tier in progress(FILE_TIERS, desc="file tiers", unit="tier"):
-        root = Path(shm_root if tier == "shm" else workdir) / f"kvlab-tier-reads-{tier}"
-        store = KVStore(tiers={tier: {"path": str(root)}}, promote=False)
-        for chunk in chunks:
-            store.save(chunk, memory=False)
-        source, keys = store.tier(tier), [c.key for c in chunks]
-        timed((tier, "buffered", "open and check the headers"), lambda: store.describe(tier, keys))
-        held: list[Chunk | None] = []
+    with _one_thread():  # as a vLLM CPU worker with one compute thread copies
+        timed(("memory", "buffered", "copy into the cache"), lambda: copy_in(chunks))
+        timed(("memory", "reference", "checksum of the bytes"), lambda: [checksum(c.buffer.storage) for c in chunks])
+        for tier in progress(FILE_TIERS, desc="file tiers", unit="tier"):
+            root = Path(shm_root if tier == "shm" else workdir) / f"kvlab-tier-reads-{tier}"
+            store = KVStore(tiers={tier: {"path": str(root)}}, promote=False)
+            for chunk in chunks:
+                store.save(chunk, memory=False)
+            source, keys = store.tier(tier), [c.key for c in chunks]
+            timed((tier, "buffered", "open and check the headers"), lambda: store.describe(tier, keys))
+            held: list[Chunk | None] = []
 
-        def read() -> None:
-            held[:] = [source.get(k) for k in keys]  # the last read's buffers go as the next one's come
-            if None in held:
-                raise RuntimeError(f"the {tier} tier did not give back a chunk it holds")
+            def read() -> None:
+                held[:] = [source.get(k) for k in keys]  # the last read's buffers go as the next one's come
+                if None in held:
+                    raise RuntimeError(f"the {tier} tier did not give back a chunk it holds")
 
-        timed((tier, "buffered", "read and checksum"), read)
-        timed((tier, "buffered", "copy into the cache"), lambda: copy_in(held))
-        parts[(tier, "buffered", "in all")] = [a + b for a, b in zip(parts[(tier, "buffered", "read and checksum")],
-                                                                     parts[(tier, "buffered", "copy into the cache")])]
-        held.clear()
-        def read_into() -> None:
-            for key, ids in zip(keys, targets):
-                if source.read_into(key, Placement(cache, list(range(len(ids))), ids), lambda header: True) is None:
-                    raise RuntimeError(f"the {tier} tier did not read a chunk it holds into the cache")
+            timed((tier, "buffered", "read and checksum"), read)
+            timed((tier, "buffered", "copy into the cache"), lambda: copy_in(held))
+            parts[(tier, "buffered", "in all")] = [a + b for a, b in zip(parts[(tier, "buffered", "read and checksum")],
+                                                                         parts[(tier, "buffered", "copy into the cache")])]
+            held.clear()
+            def read_into() -> None:
+                for key, ids in zip(keys, targets):
+                    if source.read_into(key, Placement(cache, list(range(len(ids))), ids), lambda header: True) is None:
+                        raise RuntimeError(f"the {tier} tier did not read a chunk it holds into the cache")
 
-        if source.can_read_into(cache):
-            timed((tier, "into the cache", "read and checksum"), read_into)
-        files = [root / f"{key}{FILE_SUFFIX}" for key in keys]
-        resident = torch.ones(max(f.stat().st_size for f in files), dtype=torch.uint8)  # its pages in place
-        timed((tier, "the kernel's read alone", "in all"), lambda: [_read_whole(f, resident) for f in files])
-        shutil.rmtree(root, ignore_errors=True)
+            if source.can_read_into(cache):
+                timed((tier, "into the cache", "read and checksum"), read_into)
+            files = [root / f"{key}{FILE_SUFFIX}" for key in keys]
+            resident = torch.ones(max(f.stat().st_size for f in files), dtype=torch.uint8)  # its pages in place
+            timed((tier, "the kernel's read alone", "in all"), lambda: [_read_whole(f, resident) for f in files])
+            shutil.rmtree(root, ignore_errors=True)
+        (bound,) = with_stream_bound([{"kv_bytes": nbytes, "overhead_s": 1.0}], repeats)
+        parts[("memory", "reference", ONE_THREAD_STREAM)] = bound["stream_samples_s"]
     (bound,) = with_stream_bound([{"kv_bytes": nbytes, "overhead_s": 1.0}], repeats)
     parts[("memory", "reference", "STREAM copy of the bytes")] = bound["stream_samples_s"]
     return [{"tier": tier, "path": path, "part": part, "ms": 1e3 * statistics.median(times),
              "samples_ms": [1e3 * t for t in times], "tokens": tokens, "kv_bytes": nbytes, "chunks": len(chunks),
              "layout": layout, "method": method} for (tier, path, part), times in parts.items()]
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """torch (and kvlab's batch copy, which takes torch's thread count) on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _chunk(cache, block_ids: list[int], name: str) -> Chunk:  # noqa: ANN001 - a KVCache

@@ -6,15 +6,24 @@ import pytest
 import torch
 
 from kvlab.cache import ModelGeometry
-from kvlab.experiments.tier_reads import tier_read_profile
+from kvlab.experiments import tier_reads
+from kvlab.experiments.tier_reads import ONE_THREAD_STREAM, tier_read_profile
 from kvlab.store.tiers.disk import DiskTier
 from kvlab.transfer import file_reads
 
 GEOMETRY = ModelGeometry("tier-reads-test", 2, 2, 16, torch.float16, 16)
 
 
-def test_every_part_of_each_tier_is_timed_and_the_buffered_total_adds_up(tmp_path) -> None:
+def test_every_part_of_each_tier_is_timed_and_the_buffered_total_adds_up(tmp_path, monkeypatch) -> None:
+    """Every part, on one thread as a vLLM CPU worker copies (torch's count put back after),
+    beside the STREAM copy on one thread and on the machine's threads."""
+    threads_seen = []
+    real_checksum = tier_reads.checksum
+    monkeypatch.setattr(tier_reads, "checksum", lambda *a: threads_seen.append(torch.get_num_threads()) or
+                        real_checksum(*a))
+    threads = torch.get_num_threads()
     rows = tier_read_profile(GEOMETRY, tmp_path / "disk", tokens=512, repeats=2, shm_root=tmp_path / "shm")
+    assert set(threads_seen) == {1} and torch.get_num_threads() == threads
     parts = {(r["tier"], r["path"], r["part"]): r for r in rows}
     for tier in ("shm", "disk"):
         assert {(tier, "buffered", p) for p in ("open and check the headers", "read and checksum",
@@ -23,8 +32,8 @@ def test_every_part_of_each_tier_is_timed_and_the_buffered_total_adds_up(tmp_pat
         read, copy = (parts[(tier, "buffered", p)]["samples_ms"] for p in ("read and checksum", "copy into the cache"))
         assert whole == pytest.approx([a + b for a, b in zip(read, copy)])
         assert ((tier, "into the cache", "read and checksum") in parts) == (file_reads.unavailable() is None)
-    assert {("memory", "reference", "STREAM copy of the bytes"), ("memory", "buffered", "copy into the cache"),
-            ("shm", "the kernel's read alone", "in all")} <= set(parts)
+    assert {("memory", "reference", "STREAM copy of the bytes"), ("memory", "reference", ONE_THREAD_STREAM),
+            ("memory", "buffered", "copy into the cache"), ("shm", "the kernel's read alone", "in all")} <= set(parts)
     assert all(r["ms"] > 0 and len(r["samples_ms"]) == 2 and r["chunks"] == 2 for r in rows)
     assert {r["kv_bytes"] for r in rows} == {512 * GEOMETRY.token_bytes}
     assert not any((tmp_path / "shm").iterdir()), "the tiers' folders are removed"

@@ -558,20 +558,25 @@ def test_async_copy_needs_pinned_buffer():
     Transfer(cache, [0, 1], host_buffer(cache, 2), blocking=False).run().wait()
 
 
+@pytest.mark.parametrize("streaming", [False, True])
 @pytest.mark.parametrize("threads", [1, 2, 3, 7])
-def test_batch_copy_splits_bytes_over_threads(threads):
+def test_batch_copy_splits_bytes_over_threads(threads, streaming):
     """kvlab's C batch copy: runs of uneven lengths (a thread's share starts and ends inside
-    runs) land exactly, on any number of threads, and nothing outside them is written."""
+    runs) land exactly, on any number of threads, and nothing outside them is written; with
+    plain or streaming stores (those of a batch beyond the last-level cache), at any
+    alignment and length, down to runs shorter than a line."""
     from kvlab.transfer.methods.memcpy import copy_addresses
 
     generator = torch.Generator().manual_seed(threads)
-    lengths = torch.randint(1, 300_000, (23,), generator=generator)
+    lengths = torch.cat([torch.randint(1, 130, (8,), generator=generator),
+                         torch.randint(1, 300_000, (15,), generator=generator)])
     src = torch.randint(0, 256, (int(lengths.sum()),), dtype=torch.uint8, generator=generator)
     dst = torch.zeros(int(lengths.sum()) + 23 * 8, dtype=torch.uint8)
     src_at = torch.cumsum(lengths, 0) - lengths
     dst_at = src_at + 8 * torch.arange(23)  # an 8-byte gap after every run
     order = torch.randperm(23, generator=generator)  # runs in any order
-    copy_addresses(src.data_ptr() + src_at[order], dst.data_ptr() + dst_at[order], lengths[order].contiguous(), threads)
+    copy_addresses(src.data_ptr() + src_at[order], dst.data_ptr() + dst_at[order], lengths[order].contiguous(), threads,
+                   streaming=streaming)
     for i in range(23):
         a, n, d = int(src_at[i]), int(lengths[i]), int(dst_at[i])
         assert torch.equal(dst[d:d + n], src[a:a + n]) and not dst[d + n:d + n + 8].any()

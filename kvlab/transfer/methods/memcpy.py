@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvlab.cache.allocation import KVCache
+from kvlab.cache.devices import last_level_cache_bytes
 from kvlab.transfer import native
 from kvlab.transfer.common import accelerator
 from kvlab.transfer.plan import block_run_addresses
@@ -26,16 +27,20 @@ def native_library() -> ctypes.CDLL | str:
     """The compiled batch copy, or why there is none (no C compiler, a failed build)."""
     library = native.library("copy_runs", "batch copy")
     if not isinstance(library, str):
-        library.kvlab_copy_runs.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int]
+        library.kvlab_copy_runs.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int64]
         library.kvlab_copy_runs.restype = ctypes.c_int
     return library
 
 
-def copy_addresses(src: torch.Tensor, dst: torch.Tensor, length: torch.Tensor, threads: int | None = None) -> None:
+def copy_addresses(src: torch.Tensor, dst: torch.Tensor, length: torch.Tensor, threads: int | None = None,
+                   streaming: bool | None = None) -> None:
     """Copy ``length[i]`` bytes from host address ``src[i]`` to ``dst[i]`` (contiguous int64
-    tensors) for every i, in one call on ``threads`` threads (torch's count by default)."""
+    tensors) for every i, in one call on ``threads`` threads (torch's count by default);
+    with streaming stores (``streaming``) by default where the bytes outgrow the last-level
+    cache: they could not stay cached, and a plain store reads each line before it writes it."""
+    streaming_from = {None: last_level_cache_bytes(), True: 1, False: 0}[streaming]
     status = native_library().kvlab_copy_runs(src.data_ptr(), dst.data_ptr(), length.data_ptr(), length.numel(),
-                                              threads or torch.get_num_threads())
+                                              threads or torch.get_num_threads(), streaming_from)
     if status:
         raise RuntimeError("kvlab's batch copy could not start its threads (the copy finished on one)")
 
