@@ -117,6 +117,38 @@ def block_run_addresses(src: KVCache, src_blocks: Sequence[int], dst: KVCache, d
     return src_base[src_t] + src_o, dst_base[dst_t] + dst_o, length
 
 
+def batch_run_addresses(copies: Sequence[tuple[KVCache, Sequence[int], KVCache, Sequence[int]]]
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`block_run_addresses` of every (src, src_blocks, dst, dst_blocks) in order, one
+    after another, worked out together for copies that differ only in their buffers and
+    destination blocks (a connector's load of several chunks of one shape): a few tensor
+    operations for the batch, not a few per chunk."""
+    groups: dict[tuple, list[int]] = {}
+    for i, (src, src_blocks, dst, dst_blocks) in enumerate(copies):
+        shape = (src.layout.name, src.num_blocks, dst.layout.name, dst.num_blocks, src.geometry, tuple(src_blocks),
+                 len(dst_blocks))
+        groups.setdefault(shape, []).append(i)
+    parts: list[tuple[torch.Tensor, ...] | None] = [None] * len(copies)
+    for (src_layout, src_num, dst_layout, dst_num, geometry, src_blocks, _), members in groups.items():
+        (src_t, src_o, dst_t, dst_o, length), (src_step, dst_step) = _block_runs(
+            src_layout, src_num, dst_layout, dst_num, geometry, None)
+        sb = torch.tensor(src_blocks, dtype=torch.int64)
+        db = torch.tensor([list(copies[i][3]) for i in members], dtype=torch.int64)  # [copies, blocks]
+        src_o = (src_o[None, :] + sb[:, None] * src_step[src_t][None, :]).flatten()
+        dst_o = (dst_o[None, None, :] + db[:, :, None] * dst_step[dst_t][None, None, :]).flatten(1)
+        src_t, dst_t = src_t.repeat(len(src_blocks)), dst_t.repeat(len(src_blocks))
+        src_base = torch.tensor([[x.data_ptr() for x in copies[i][0].storage] for i in members], dtype=torch.int64)
+        dst_base = torch.tensor([[x.data_ptr() for x in copies[i][2].storage] for i in members], dtype=torch.int64)
+        src_at, dst_at = src_base[:, src_t] + src_o[None, :], dst_base[:, dst_t] + dst_o
+        lengths = length.repeat(len(src_blocks))
+        for row, i in enumerate(members):
+            parts[i] = (src_at[row], dst_at[row], lengths)
+    if not copies:
+        empty = torch.zeros(0, dtype=torch.int64)
+        return empty, empty, empty
+    return tuple(torch.cat(column) for column in zip(*parts))  # type: ignore[arg-type]
+
+
 def block_runs(src: KVCache, src_blocks: Sequence[int], dst: KVCache, dst_blocks: Sequence[int],
                layers: Sequence[int] | None = None) -> tuple[torch.Tensor, ...]:
     """The columns of :class:`CopyPlan` for every block pair, block 0's runs moved by each
