@@ -28,6 +28,7 @@ from kvlab.transfer.engine import Transfer, run_all
 
 CHUNK_TOKENS = 256  # the connector's default chunk
 FILE_TIERS = ("shm", "disk")
+STREAM = "STREAM copy of the bytes"
 ONE_THREAD_STREAM = "STREAM copy of the bytes, one thread"
 
 
@@ -96,7 +97,7 @@ def tier_read_profile(geometry: ModelGeometry, workdir: str | Path, tokens: int 
         (bound,) = with_stream_bound([{"kv_bytes": nbytes, "overhead_s": 1.0}], repeats)
         parts[("memory", "reference", ONE_THREAD_STREAM)] = bound["stream_samples_s"]
     (bound,) = with_stream_bound([{"kv_bytes": nbytes, "overhead_s": 1.0}], repeats)
-    parts[("memory", "reference", "STREAM copy of the bytes")] = bound["stream_samples_s"]
+    parts[("memory", "reference", STREAM)] = bound["stream_samples_s"]
     return [{"tier": tier, "path": path, "part": part, "ms": 1e3 * statistics.median(times),
              "samples_ms": [1e3 * t for t in times], "tokens": tokens, "kv_bytes": nbytes, "chunks": len(chunks),
              "layout": layout, "method": method} for (tier, path, part), times in parts.items()]

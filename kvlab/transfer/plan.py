@@ -111,42 +111,32 @@ def block_run_addresses(src: KVCache, src_blocks: Sequence[int], dst: KVCache, d
     """Source addresses, destination addresses and lengths of the copy, each block's runs
     apart (not merged across blocks): a batch copy takes a few more runs for a plan that
     costs a few tensor operations (a connector's load of a chunk, planned once and run once)."""
-    src_t, src_o, dst_t, dst_o, length = block_runs(src, src_blocks, dst, dst_blocks, layers)
-    src_base = torch.tensor([x.data_ptr() for x in src.storage], dtype=torch.int64)
-    dst_base = torch.tensor([x.data_ptr() for x in dst.storage], dtype=torch.int64)
-    return src_base[src_t] + src_o, dst_base[dst_t] + dst_o, length
+    return batch_run_addresses([(src, src_blocks, dst, dst_blocks, layers)])
 
 
-def batch_run_addresses(copies: Sequence[tuple[KVCache, Sequence[int], KVCache, Sequence[int]]]
+def batch_run_addresses(copies: Sequence[tuple[KVCache, Sequence[int], KVCache, Sequence[int], Sequence[int] | None]]
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`block_run_addresses` of every (src, src_blocks, dst, dst_blocks) in order, one
-    after another, worked out together for copies that differ only in their buffers and
-    destination blocks (a connector's load of several chunks of one shape): a few tensor
-    operations for the batch, not a few per chunk."""
+    """:func:`block_run_addresses` of every (src, src_blocks, dst, dst_blocks, layers) in
+    order, one after another, worked out together for copies that differ only in their
+    buffers and destination blocks (a connector's load of several chunks of one shape): a
+    few tensor operations for the batch, not a few per chunk."""
     groups: dict[tuple, list[int]] = {}
-    for i, (src, src_blocks, dst, dst_blocks) in enumerate(copies):
-        shape = (src.layout.name, src.num_blocks, dst.layout.name, dst.num_blocks, src.geometry, tuple(src_blocks),
-                 len(dst_blocks))
+    for i, (src, src_blocks, dst, dst_blocks, layers) in enumerate(copies):
+        shape = (src.layout.name, src.num_blocks, dst.layout.name, dst.num_blocks, src.geometry,
+                 None if layers is None else tuple(layers), tuple(src_blocks), len(dst_blocks))
         groups.setdefault(shape, []).append(i)
-    parts: list[tuple[torch.Tensor, ...] | None] = [None] * len(copies)
-    for (src_layout, src_num, dst_layout, dst_num, geometry, src_blocks, _), members in groups.items():
-        (src_t, src_o, dst_t, dst_o, length), (src_step, dst_step) = _block_runs(
-            src_layout, src_num, dst_layout, dst_num, geometry, None)
-        sb = torch.tensor(src_blocks, dtype=torch.int64)
-        db = torch.tensor([list(copies[i][3]) for i in members], dtype=torch.int64)  # [copies, blocks]
-        src_o = (src_o[None, :] + sb[:, None] * src_step[src_t][None, :]).flatten()
-        dst_o = (dst_o[None, None, :] + db[:, :, None] * dst_step[dst_t][None, None, :]).flatten(1)
-        src_t, dst_t = src_t.repeat(len(src_blocks)), dst_t.repeat(len(src_blocks))
+    parts: list[tuple[torch.Tensor, ...]] = [()] * len(copies)
+    for (*pair, src_blocks, _), members in groups.items():
+        src_t, src_o, dst_t, dst_o, length = _moved_runs(tuple(pair), src_blocks, [copies[i][3] for i in members])
         src_base = torch.tensor([[x.data_ptr() for x in copies[i][0].storage] for i in members], dtype=torch.int64)
         dst_base = torch.tensor([[x.data_ptr() for x in copies[i][2].storage] for i in members], dtype=torch.int64)
         src_at, dst_at = src_base[:, src_t] + src_o[None, :], dst_base[:, dst_t] + dst_o
-        lengths = length.repeat(len(src_blocks))
         for row, i in enumerate(members):
-            parts[i] = (src_at[row], dst_at[row], lengths)
+            parts[i] = (src_at[row], dst_at[row], length)
     if not copies:
         empty = torch.zeros(0, dtype=torch.int64)
         return empty, empty, empty
-    return tuple(torch.cat(column) for column in zip(*parts))  # type: ignore[arg-type]
+    return tuple(torch.cat(column) for column in zip(*parts))  # type: ignore[return-value]
 
 
 def block_runs(src: KVCache, src_blocks: Sequence[int], dst: KVCache, dst_blocks: Sequence[int],
@@ -154,17 +144,22 @@ def block_runs(src: KVCache, src_blocks: Sequence[int], dst: KVCache, dst_blocks
     """The columns of :class:`CopyPlan` for every block pair, block 0's runs moved by each
     pair's block strides, not merged across blocks: a few tensor operations, no storage
     read (``src`` may be a meta-device cache that only describes a layout)."""
-    sb = torch.as_tensor(list(src_blocks), dtype=torch.int64)
-    db = torch.as_tensor(list(dst_blocks), dtype=torch.int64)
-    (src_t, src_o, dst_t, dst_o, length), (src_step, dst_step) = _block_runs(
-        src.layout.name, src.num_blocks, dst.layout.name, dst.num_blocks, src.geometry,
-        None if layers is None else tuple(layers))
-    if not length.numel() or not sb.numel():
-        empty = torch.zeros(0, dtype=torch.int64)
-        return empty, empty, empty, empty, empty
-    blocks = sb.numel()
+    pair = (src.layout.name, src.num_blocks, dst.layout.name, dst.num_blocks, src.geometry,
+            None if layers is None else tuple(layers))
+    src_t, src_o, dst_t, dst_o, length = _moved_runs(pair, tuple(src_blocks), [dst_blocks])
+    return src_t, src_o, dst_t, dst_o[0], length
+
+
+def _moved_runs(pair: tuple, src_blocks: tuple[int, ...], dst_rows: list[Sequence[int]]) -> tuple[torch.Tensor, ...]:
+    """Block 0's runs (:func:`_block_runs` of ``pair``) moved to each source block and, per
+    row of ``dst_rows``, to its destination blocks: source tensors and offsets, destination
+    tensors, destination offsets (one row per row given), lengths."""
+    (src_t, src_o, dst_t, dst_o, length), (src_step, dst_step) = _block_runs(*pair)
+    sb = torch.tensor(src_blocks, dtype=torch.int64)
+    db = torch.tensor([list(row) for row in dst_rows], dtype=torch.int64).reshape(len(dst_rows), len(src_blocks))
     src_o = (src_o[None, :] + sb[:, None] * src_step[src_t][None, :]).flatten()
-    dst_o = (dst_o[None, :] + db[:, None] * dst_step[dst_t][None, :]).flatten()
+    dst_o = (dst_o[None, None, :] + db[:, :, None] * dst_step[dst_t][None, None, :]).flatten(1)
+    blocks = len(src_blocks)
     return src_t.repeat(blocks), src_o, dst_t.repeat(blocks), dst_o, length.repeat(blocks)
 
 

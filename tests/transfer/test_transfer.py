@@ -706,16 +706,27 @@ def test_a_copy_thread_runs_in_the_callers_context():
 def test_a_batch_of_copies_is_planned_as_each_alone():
     """batch_run_addresses (a connector's load of several chunks, planned together) gives
     every copy's runs in order, exactly as planning each alone: chunks of one shape and of
-    another layout, other positions, one block, in any mix."""
-    from kvlab.transfer.plan import batch_run_addresses, block_run_addresses
+    another layout, other positions, one block, one layer, in any mix."""
+    from kvlab.transfer.plan import batch_run_addresses
 
     cache, other = _kv_cache("LBHNC", num_blocks=12), _kv_cache("BLHNC", num_blocks=12)
-    copies = [(_kv_cache("LBHNC", num_blocks=3), [0, 1, 2], cache, [7, 2, 9]),
-              (_kv_cache("BLHNC", num_blocks=2), [1, 0], other, [4, 11]),
-              (_kv_cache("LBHNC", num_blocks=3), [0, 1, 2], cache, [0, 5, 3]),
-              (_kv_cache("LBHNC", num_blocks=3), [2], cache, [6]),
-              (_kv_cache("BLHNC", num_blocks=2), [1, 0], other, [8, 1])]
-    alone = [torch.cat(column) for column in zip(*(block_run_addresses(*copy) for copy in copies))]
+    copies = [(_kv_cache("LBHNC", num_blocks=3), [0, 1, 2], cache, [7, 2, 9], None),
+              (_kv_cache("BLHNC", num_blocks=2), [1, 0], other, [4, 11], None),
+              (_kv_cache("LBHNC", num_blocks=3), [0, 1, 2], cache, [0, 5, 3], None),
+              (_kv_cache("LBHNC", num_blocks=3), [2], cache, [6], None),
+              (_kv_cache("LBHNC", num_blocks=3), [0, 1, 2], cache, [4, 8, 1], [1]),
+              (_kv_cache("BLHNC", num_blocks=2), [1, 0], other, [8, 1], None)]
+    alone = [torch.cat(column) for column in zip(*(_addresses_alone(*copy) for copy in copies))]
     together = batch_run_addresses(copies)
     assert len(together) == 3 and all(torch.equal(a, b) for a, b in zip(alone, together))
     assert all(column.numel() == 0 for column in batch_run_addresses([]))
+
+
+def _addresses_alone(src, src_blocks, dst, dst_blocks, layers):
+    """One copy's runs from block_runs and the tensors' addresses, with no batching."""
+    from kvlab.transfer.plan import block_runs
+
+    src_t, src_o, dst_t, dst_o, length = block_runs(src, src_blocks, dst, dst_blocks, layers)
+    src_base = torch.tensor([x.data_ptr() for x in src.storage], dtype=torch.int64)
+    dst_base = torch.tensor([x.data_ptr() for x in dst.storage], dtype=torch.int64)
+    return src_base[src_t] + src_o, dst_base[dst_t] + dst_o, length

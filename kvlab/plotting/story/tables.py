@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Sequence
 
 from kvlab.experiments.targets import CPU_TARGETS, ceiling_targets
-from kvlab.experiments.tier_reads import ONE_THREAD_STREAM
+from kvlab.experiments.tier_reads import ONE_THREAD_STREAM, STREAM
 from kvlab.experiments.ttft import engine_floor
 from kvlab.harness.spread import MEDIAN_ONLY, Estimate, difference, ratio, row_estimate, spread, summary
 from kvlab.plotting.common import as_records, human_bytes, model_name, short_hardware
@@ -198,7 +198,7 @@ def tier_reads_table(rows: Any) -> Prose:
     spread (rows of tier_reads.tier_read_profile)."""
     rows = as_records(rows)
     parts = {(r["tier"], r["path"], r["part"]): r["samples_ms"] for r in rows}
-    stream = parts.get(("memory", "reference", "STREAM copy of the bytes"))
+    stream = parts.get(("memory", "reference", STREAM))
     single = parts.get(("memory", "reference", ONE_THREAD_STREAM))  # runs before it have none
     if not rows or not stream:
         return Prose("")

@@ -15,7 +15,7 @@ from kvlab.cache.allocation import KVCache
 from kvlab.cache.devices import last_level_cache_bytes
 from kvlab.transfer import native
 from kvlab.transfer.common import accelerator
-from kvlab.transfer.plan import batch_run_addresses, block_run_addresses
+from kvlab.transfer.plan import batch_run_addresses
 from kvlab.transfer.registry import CopyMethod, register
 
 if TYPE_CHECKING:
@@ -55,11 +55,7 @@ def copy_many(transfers: list[Transfer], workers: int) -> None:
     """Every run of every transfer in one call, each planned block by block without merging
     (a connector's load: each chunk is planned once and copied once): no thread started per
     chunk, no plan merged that is used once."""
-    if any(t.layers is not None for t in transfers):
-        tables = [block_run_addresses(t.src, t.src_blocks, t.dst, t.dst_blocks, t.layers) for t in transfers]
-        src, dst, length = (torch.cat(column) for column in zip(*tables))
-    else:
-        src, dst, length = batch_run_addresses([(t.src, t.src_blocks, t.dst, t.dst_blocks) for t in transfers])
+    src, dst, length = batch_run_addresses([(t.src, t.src_blocks, t.dst, t.dst_blocks, t.layers) for t in transfers])
     if length.numel():
         copy_addresses(src, dst, length, threads=max(workers, torch.get_num_threads()))
 
