@@ -154,6 +154,9 @@ def _moved_runs(pair: tuple, src_blocks: tuple[int, ...], dst_rows: list[Sequenc
     """Block 0's runs (:func:`_block_runs` of ``pair``) moved to each source block and, per
     row of ``dst_rows``, to its destination blocks: source tensors and offsets, destination
     tensors, destination offsets (one row per row given), lengths."""
+    if any(len(row) != len(src_blocks) for row in dst_rows):
+        raise ValueError(f"a copy moves each source block to one destination block: got source blocks "
+                         f"{list(src_blocks)} for destination blocks {[list(row) for row in dst_rows]}")
     (src_t, src_o, dst_t, dst_o, length), (src_step, dst_step) = _block_runs(*pair)
     sb = torch.tensor(src_blocks, dtype=torch.int64)
     db = torch.tensor([list(row) for row in dst_rows], dtype=torch.int64).reshape(len(dst_rows), len(src_blocks))

@@ -720,6 +720,8 @@ def test_a_batch_of_copies_is_planned_as_each_alone():
     together = batch_run_addresses(copies)
     assert len(together) == 3 and all(torch.equal(a, b) for a, b in zip(alone, together))
     assert all(column.numel() == 0 for column in batch_run_addresses([]))
+    with pytest.raises(ValueError, match="each source block to one destination block"):
+        batch_run_addresses([(_kv_cache("LBHNC", num_blocks=3), [0, 1, 2], cache, [7, 2], None)])
 
 
 def _addresses_alone(src, src_blocks, dst, dst_blocks, layers):

@@ -38,7 +38,7 @@ def copy_addresses(src: torch.Tensor, dst: torch.Tensor, length: torch.Tensor, t
     tensors) for every i, in one call on ``threads`` threads (torch's count by default);
     with streaming stores (``streaming``) by default where the bytes outgrow the last-level
     cache: they could not stay cached, and a plain store reads each line before it writes it."""
-    streaming_from = {None: last_level_cache_bytes(), True: 1, False: 0}[streaming]
+    streaming_from = last_level_cache_bytes() if streaming is None else int(bool(streaming))
     status = native_library().kvlab_copy_runs(src.data_ptr(), dst.data_ptr(), length.data_ptr(), length.numel(),
                                               threads or torch.get_num_threads(), streaming_from)
     if status:
