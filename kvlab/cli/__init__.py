@@ -104,7 +104,8 @@ def run_bench(args: argparse.Namespace) -> int:
             if key in ("models", "tokens"):  # the sizes asked for, and only those
                 profile.pop("extra_tokens", None)
     configs = bench.configs(profile, dtype=args.dtype, block_size=args.block_size)  # refuses a bad profile
-    stem = "02_ceiling" if args.profile == "ceiling" else "02_transfer"  # notebook 02 reads each its own way
+    # notebook 02 and the docs read each its own way
+    stem = {"ceiling": "02_ceiling", "conversions": "02_conversions"}.get(args.profile, "02_transfer")
     out = None if args.no_save else args.out or default_results_path(stem, args.device, args.results_dir)
     repeats = profile["repeats"] if args.repeats is None else args.repeats
     rows = []

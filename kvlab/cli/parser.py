@@ -61,8 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "results render")
 
     bench = sub.add_parser("bench", help="time offload and load against this machine's copy ceiling")
-    bench.add_argument("--profile", choices=["quick", "standard", "full", "gpu", "ceiling", "dry"], default=None,
-                       help="a preset sweep (default: full's methods and layouts for the models given)")
+    bench.add_argument("--profile", choices=["quick", "standard", "full", "gpu", "ceiling", "conversions", "dry"],
+                       default=None, help="a preset sweep (default: full's methods and layouts for the models "
+                                          "given; conversions: caches copied to and from other layouts)")
     bench.add_argument("--quick", action="store_true", help="the quick profile: under a minute on a small CPU")
     bench.add_argument("--model", default=None, help="comma-separated presets or model folders")
     bench.add_argument("--tokens", default=None, help="comma-separated token counts, e.g. 256,1024,4096")

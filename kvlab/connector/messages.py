@@ -73,7 +73,7 @@ class KVLabWorkerMeta(KVConnectorWorkerMetadata):
 
     stored: Counter = field(default_factory=Counter)  # memory chunk key -> workers that stored it
     failed: set[str] = field(default_factory=set)  # memory chunks some worker could not store
-    signature: str | None = None  # the workers' cache (model, dtype, layout), once
+    signature: str | None = None  # the workers' cache (model, dtype, block size: kvlab.store.keys.signature), once
     load_failed: set[str] = field(default_factory=set)  # requests some of whose blocks did not load
     missed: set[tuple[str, str]] = field(default_factory=set)  # (tier, chunk key) a load found unusable there
 

@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import statistics
+import tempfile
 import time
 import tracemalloc
 from pathlib import Path
@@ -47,14 +48,16 @@ def without_auth_key_advice() -> Iterator[None]:
 
 
 def overhead_profile(geometry: ModelGeometry, tokens: int = 2000, repeats: int = 15, method: str = "auto",
-                     layout: str = "CPU_LBHNC", extra: dict | None = None) -> list[dict]:
+                     layout: str = "CPU_LBHNC", extra: dict | None = None, stored_as: str | None = None) -> list[dict]:
     """Where a whole-step hit of a ``tokens``-token prefix spends its time, every connector
     call timed as vLLM makes them (kvlab.harness.driver, in this process): the scheduler's
     calls, the worker's, and within ``start_load_kv`` the copy itself
     (``load_work_seconds``). One row per call: its median milliseconds per hit request over
     ``repeats``; then the copy, the rest of the load, the total, and the STREAM-style copy
     of the loaded bytes (the bound). ``extra``: the connector's settings (memory alone by
-    default; e.g. ``{"tiers": ["disk"], "disk": {"path": ...}}``)."""
+    default; e.g. ``{"tiers": ["disk"], "disk": {"path": ...}}``). ``stored_as``: the prompt
+    stored by an engine of that layout instead (through a shared tier), so every hit converts
+    its chunks into ``layout`` as it loads them."""
     from kvlab.connector import reset_stores
     from kvlab.harness.driver import connector_pair, prefill, register, settle
 
@@ -64,23 +67,36 @@ def overhead_profile(geometry: ModelGeometry, tokens: int = 2000, repeats: int =
     reset_stores()  # a store of an earlier run in this process (another Redis server) is not this one's
     blocks = tokens // geometry.block_size + 1
     extra = {"tiers": ["memory"], **(extra or {}), "method": method}
+    if stored_as is not None and extra["tiers"] == ["memory"]:
+        raise ValueError(f"a chunk stored by a {stored_as} engine reaches this one through a shared tier; "
+                         f"extra names only {extra['tiers']}")
+    prompt = [(13 * i + 5) % 30000 for i in range(tokens)]
+    if stored_as is not None:  # another engine, with a memory of its own, writes the prompt through
+        with without_auth_key_advice():
+            writer_scheduler, writer = connector_pair(geometry, blocks + 1, {**extra, "store_name": "writer"})
+        register(writer, f"vllm>=0.29 {stored_as}", geometry, blocks + 1)
+        prefill(writer_scheduler, writer, "store", prompt, list(range(blocks)))
+        settle(writer_scheduler, writer)
+        writer.shutdown()
     with without_auth_key_advice():
         scheduler, worker = connector_pair(geometry, 2 * blocks + 2, extra)
     register(worker, f"vllm>=0.29 {layout}", geometry, 2 * blocks + 2)
     settle(scheduler, worker)
-    prompt = [(13 * i + 5) % 30000 for i in range(tokens)]
-    prefill(scheduler, worker, "store", prompt, list(range(blocks)))
+    if stored_as is None:
+        prefill(scheduler, worker, "store", prompt, list(range(blocks)))
     spent: dict[str, list[float]] = {}
     for side, names in ((scheduler, SCHEDULER_CALLS), (worker, WORKER_CALLS)):
         for name in names:
             setattr(side, name, _timed(getattr(side, name), spent.setdefault(name, [])))
     per_request: dict[str, list[float]] = {name: [] for name in (*spent, "copy", "total")}
-    loaded = 0
+    loaded, stored = 0, (tokens - 1) // geometry.block_size * geometry.block_size  # the last token is computed
     for i in range(repeats + 2):  # the first two warm up
         for times in spent.values():
             times.clear()
         copy_before = worker.stats.load_work_seconds
         hit = prefill(scheduler, worker, f"hit-{i}", prompt, list(range(blocks, 2 * blocks)))["hit_tokens"]
+        if hit != stored:  # a miss would store the prompt anew, and the rest would time another hit
+            raise RuntimeError(f"hit {i} loaded {hit} of the {stored} tokens stored: not the hit to time")
         loaded = hit * geometry.token_bytes
         if i < 2:
             continue
@@ -97,7 +113,24 @@ def overhead_profile(geometry: ModelGeometry, tokens: int = 2000, repeats: int =
     rows.append({"call": "STREAM copy of the loaded bytes", "ms": 1e3 * bound["stream_s"],
                  "samples_ms": [1e3 * t for t in bound["stream_samples_s"]]})
     return [{**row, "tokens": tokens, "kv_bytes": loaded, "method": worker.worker.method,
-             "layout": layout, "tiers": "+".join(extra["tiers"])} for row in rows]
+             "layout": layout, "stored_as": stored_as or layout, "tiers": "+".join(extra["tiers"])} for row in rows]
+
+
+def layouts_sharing(geometry: ModelGeometry, workdir: str | Path, tokens: int = 2000, repeats: int = 15,
+                    layouts: tuple[str, str] = ("CPU_LBHNC", "CPU_BLHNC"), tiers: tuple[str, ...] = ("shm", "disk")
+                    ) -> list[dict]:
+    """Engines of two layouts sharing one store: each layout's whole-step hit from each file
+    tier (:func:`overhead_profile`, every call timed) of chunks it stored itself, and of
+    chunks the other layout stored, converted as they load. Rows of both, with ``stored_as``.
+    The shm tier's folders are made in ``/dev/shm``, the disk tier's in ``workdir``."""
+    rows = []
+    plans = [(reader, stored, tier) for tier in tiers for reader in layouts for stored in layouts]
+    for reader, stored, tier in progress(plans, desc="layouts sharing a store", unit="hit"):
+        with tempfile.TemporaryDirectory(dir="/dev/shm" if tier == "shm" else workdir) as folder:
+            extra = {"tiers": [tier], tier: {"path": folder}}
+            rows += overhead_profile(geometry, tokens, repeats, layout=reader, extra=extra,
+                                     stored_as=None if stored == reader else stored)
+    return rows
 
 
 def _timed(call: Any, into: list[float]) -> Any:

@@ -25,7 +25,7 @@ from kvlab.cache.allocation import allocate
 from kvlab.cache.devices import check_fits, resolve_device
 from kvlab.cache.geometry import ModelGeometry, dtype_name, resolve_model
 from kvlab.cache.fits import check_compatible
-from kvlab.cache.layouts import get_layout
+from kvlab.cache.layouts import LAYOUTS, get_layout
 from kvlab.cache.segments import contiguous_block_ids, scattered_block_ids
 from kvlab.experiments.timing import Clock, check_positive_int, interleaved
 from kvlab.results import append_results, start_run
@@ -67,7 +67,8 @@ def ceiling_copy(nbytes: int, direction: str, device: torch.device, native: bool
 @dataclass(frozen=True)
 class Config:
     """One measured configuration. ``target`` is ``"host"`` (a host buffer in the cache's
-    layout) or an LMCache chunk format."""
+    layout), an LMCache chunk format, or another paged layout (a host buffer in that layout:
+    a chunk an engine of that layout stored, converted as it moves)."""
 
     geometry: ModelGeometry
     layout: str
@@ -80,8 +81,9 @@ class Config:
     def __post_init__(self) -> None:
         if get_layout(self.layout).is_chunk_format:
             raise ValueError(f"{self.layout} is an LMCache chunk format, not a paged cache: use it as a target")
-        if self.target != "host" and not get_layout(self.target).is_chunk_format:
-            raise ValueError(f"target must be 'host' or an LMCache chunk format, not {self.target!r}")
+        if self.target == self.layout or (self.target != "host" and self.target not in LAYOUTS):
+            raise ValueError(f"target must be 'host', an LMCache chunk format or another layout than the cache's "
+                             f"{self.layout}, not {self.target!r}")
         if self.direction not in DIRECTIONS:
             raise ValueError(f"direction must be one of {DIRECTIONS}, not {self.direction!r}")
         if self.block_ids not in ("scattered", "contiguous"):
@@ -133,6 +135,8 @@ class Setup:
             t.view(torch.uint8).fill_(17 + i % 100)
         if config.target == "host":
             self.buffer = host_buffer(self.cache, blocks)
+        elif not get_layout(config.target).is_chunk_format:
+            self.buffer = allocate(config.target, g, blocks, "cpu", pin_memory=device.type != "cpu")
         else:
             self.buffer = chunk_buffer(self.cache, config.target, blocks * g.block_size)
         self.ids = ids
@@ -230,6 +234,15 @@ PROFILES: dict[str, dict[str, Any]] = {
     "ceiling": {"models": ["llama-3.1-8b"], "tokens": [1024], "layouts": ["LBHNC", "LHBNC", "ascend_kv_tuple", "BLHNC"],
                 "methods": ["segments", "memcpy", "gather", "compiled"], "repeats": 15, "chunks": False,
                 "block_ids": ["scattered"]},
+    # engines of other layouts sharing one store (kvlab.store.keys.signature): a cache's blocks
+    # copied to and from a host buffer of another layout (cache layout, stored layout), beside
+    # each layout's own copy; 4,096 tokens, so that even SmolLM2's 94 MB outgrow the last-level
+    # cache and the same-run ceiling (at 1,024 tokens it came out from 0.3 to 1.7 of itself); a few minutes on 2 cores
+    "conversions": {"models": ["smollm2-135m", "llama-3.1-8b"], "tokens": [4096],
+                    "layouts": ["CPU_LBHNC", "CPU_BLHNC", "LBHNC", "BLHNC", "LBNHC"],
+                    "methods": ["memcpy", "gather"], "repeats": 15, "chunks": False, "block_ids": ["scattered"],
+                    "conversions": [("CPU_BLHNC", "CPU_LBHNC"), ("CPU_LBHNC", "CPU_BLHNC"), ("BLHNC", "LBHNC"),
+                                    ("LBHNC", "BLHNC"), ("LBHNC", "LBNHC"), ("LBNHC", "LBHNC")]},
     # scripts/device-check's dry run on a CPU (DEVICE=cpu): every code path, seconds
     "dry": {"models": ["smollm2-135m", "deepseek-v2-lite"], "tokens": [32],
             "layouts": ["LBHNC", "LHBNC", "ascend_kv_tuple", "BLHNC"], "methods": ALL_METHODS, "repeats": 3,
@@ -255,15 +268,16 @@ def check_profile(profile: dict[str, Any]) -> None:
         raise ValueError(f"a profile needs {list(_PROFILE_KEYS)}; this one lacks {missing}")
     if any(isinstance(t, bool) or not isinstance(t, int) or t <= 0 for t in profile["tokens"]):
         raise ValueError(f"tokens must be positive, got {profile['tokens']}")
-    for layout in profile["layouts"]:
+    for layout in [*profile["layouts"], *(name for pair in profile.get("conversions", []) for name in pair)]:
         get_layout(layout)
     check_methods(profile["methods"])
 
 
 def configs(profile: dict[str, Any], dtype: str | None = None, block_size: int = 16) -> list[Config]:
     """The configurations a profile sweeps: every model x layout x tokens x method x
-    direction, plus (``chunks``) LMCache chunk targets and (``extra_tokens``) more sizes
-    for the first model, so the cost model sees a wide range of segment counts."""
+    direction, plus (``chunks``) LMCache chunk targets, (``conversions``) (cache layout,
+    stored layout) pairs and (``extra_tokens``) more sizes for the first model, so the cost
+    model sees a wide range of segment counts."""
     check_profile(profile)
     out = []
     for model_index, model in enumerate(profile["models"]):
@@ -279,6 +293,10 @@ def configs(profile: dict[str, Any], dtype: str | None = None, block_size: int =
                     for method in profile["methods"]:
                         for direction in DIRECTIONS:
                             out.append(Config(geometry, layout, method, direction, count, block_ids))
+            for layout, stored in profile.get("conversions", []):
+                for method in profile["methods"]:
+                    for direction in DIRECTIONS:
+                        out.append(Config(geometry, layout, method, direction, count, "scattered", stored))
             if profile.get("chunks") and count <= 1024:
                 paged, chunk = ("mla_v0.12", "KV_MLA_FMT") if geometry.is_mla else ("flash_attn_v0.12", "KV_2LTD")
                 for source in (paged, "BLHNC"):

@@ -8,6 +8,9 @@ from typing import Any, Sequence
 # What the CPU copy engines should reach, as a share of the same-run ceiling, judged by the
 # worse of offload and load (Llama-3.1-8B bf16, 1024 tokens, scattered blocks: the ceiling profile).
 CPU_TARGETS = {"cross-layer": 0.95, "per-layer": 0.9, "LHBNC": 0.7}
+# A chunk of another layout, converted as it moves, at the memory's pace (the conversions
+# profile): each pair's best method in its worse direction.
+CONVERSION_TARGET = 0.9
 
 
 def ceiling_targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -205,8 +205,8 @@ def layouts_in_the_engine(model: str, prompts: list[list[int]], redis: Any, dtyp
     """Per-layer (LBHNC) against cross-layer (BLHNC, granted by vLLM's own allocator through
     kvlab's CPU attention backend) inside the engine, in each connector mode, from memory
     and from Redis (``redis``, a running kvlab.runtime.redis.RedisServer: a database per
-    engine, as chunks of other layouts are other formats; the memory tier emptied first), each engine in its own
-    process in vLLM's default process layout, beside an engine without a connector (cold:
+    engine, so that each engine's hits are its own chunks, not another layout's converted;
+    the memory tier emptied first), each engine in its own process in vLLM's default process layout, beside an engine without a connector (cold:
     recompute; floor: vLLM's own prefix hit). Each KVLab row gives the time to first token,
     its overhead over the floor measured in the same engine, the copy time (``copy_s``:
     the loads' own copying), the model runner's time blocked in the connector's load calls

@@ -57,7 +57,7 @@ class RedisServer(ManagedServer):
 
     def database(self, index: int) -> str:
         """The address of one of its 16 databases: engines that must not see each other's
-        chunks (other layouts, so other chunk formats) each get their own."""
+        chunks (an experiment timing each engine's own) each get their own."""
         if not 0 <= index < 16:
             raise ValueError(f"Redis has databases 0 to 15, not {index}")
         return f"redis://{HOST}:{self.port}/{index}?{PASSWORD_FILE}={quote(str(self.secret_dir / 'password'))}"

@@ -1,8 +1,9 @@
 """A stored chunk: whole blocks of one prompt prefix in a host buffer laid out like the
-cache (so a cross-layer cache moves one segment per block), with each block's key, the
-model signature and a CRC32C; and its file format, whose header is checked against a
-schema before anything in it is used, and which carries an HMAC-SHA256 when the store has a
-key (a CRC stops damage, not a writer who recomputes it)."""
+writer's cache (so a cross-layer cache moves one segment per block; a reader of another
+layout converts as it loads), with each block's key, the model signature and a CRC32C; and
+its file format, whose header is checked against a schema before anything in it is used,
+and which carries an HMAC-SHA256 when the store has a key (a CRC stops damage, not a writer
+who recomputes it)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,9 @@ from kvlab.store.keys import valid_key
 from kvlab.transfer import file_reads
 from kvlab.transfer.plan import block_runs
 
-_MAGIC = b"KVLAB-CHUNK-1\n"
+# Format 2: the signature leaves out the layout, which the header names (any cache reads it).
+_MAGIC = b"KVLAB-CHUNK-2\n"
+_FORMAT_FAMILY = b"KVLAB-CHUNK-"
 FILE_SUFFIX = ".kvchunk"
 _MAX_HEADER_BYTES = 1 << 20
 _MAX_CHUNK_BLOCKS = 1 << 16
@@ -214,8 +217,12 @@ def header_length(prefix: bytes) -> int:
     bytes: what a tier that reads byte ranges (Redis) asks for. ValueError when they are
     not a chunk's."""
     start = len(_MAGIC) + 8
-    if len(prefix) < start or not prefix.startswith(_MAGIC):
+    if len(prefix) < start or not prefix.startswith(_FORMAT_FAMILY):
         raise ValueError("not a kvlab chunk")
+    if not prefix.startswith(_MAGIC):
+        written = prefix[:len(_MAGIC)].decode("ascii", "replace").strip()
+        raise ValueError(f"a chunk of format {written}, not this kvlab's {_MAGIC.decode().strip()}: its signature "
+                         f"also named the writer's cache layout, so it is recomputed, never converted")
     (length,) = struct.unpack_from("<Q", prefix, len(_MAGIC))
     if length > _MAX_HEADER_BYTES:
         raise ValueError(f"header of {length} bytes")

@@ -54,11 +54,15 @@ def shard_key(key: str, rank: int, workers: int) -> str:
 
 
 def signature(cache: KVCache) -> str:
-    """What a chunk must match to be loaded into ``cache``: model geometry, dtype, layout."""
+    """What a chunk must match to be loaded into ``cache``: the model's geometry, dtype and
+    block size. Not the cache's layout: a load moves each layer's K and V by token and head
+    from the chunk's layout into the cache's (kvlab.transfer.plan), so engines of any two
+    layouts share one store. A quantized cache's rows carry their scales as its layout packs
+    them, so its chunks name the layout and load only into it."""
     g = cache.geometry
-    quant = f"|{g.quant.name}" if g.quant else ""  # rows of another format may have the same size
-    return (f"{g.name}|L{g.num_layers}|H{g.num_kv_heads}|D{g.head_size}|{dtype_name(g.dtype)}{quant}"
-            f"|BS{g.block_size}|{cache.layout.name}")
+    mla = f"|MLA{g.kv_lora_rank}+{g.qk_rope_head_dim}" if g.is_mla else ""
+    quant = f"|{g.quant.name}|{cache.layout.name}" if g.quant else ""  # rows of another format may have the same size
+    return f"{g.name}|L{g.num_layers}|H{g.num_kv_heads}|D{g.head_size}{mla}|{dtype_name(g.dtype)}|BS{g.block_size}{quant}"
 
 
 def folder_fingerprint(folder: str | Path, sample_bytes: int = 1 << 16) -> str:

@@ -104,10 +104,11 @@ class Transfer:
                 f"source and destination hold different KV: {src.geometry.describe()} vs {dst.geometry.describe()}"
             )
         chunked = src.layout.is_chunk_format or dst.layout.is_chunk_format
-        if src.layout.name != dst.layout.name and not chunked:
+        if src.layout.name != dst.layout.name and not chunked and src.geometry.quant is not None:
             raise ValueError(
-                f"source layout {src.layout.name} and destination layout {dst.layout.name} differ: a paged "
-                f"cache moves to a buffer of its own layout or to an LMCache chunk (KV_2LTD, KV_T2D, KV_MLA_FMT)"
+                f"source layout {src.layout.name} and destination layout {dst.layout.name} differ: a quantized "
+                f"cache's rows pack their scales as its layout does, so it moves to a buffer of its own layout "
+                f"or to an LMCache chunk (KV_2LTD, KV_T2D, KV_MLA_FMT)"
             )
         for side, cache in (("source", src), ("destination", dst)):
             wrong = {str(t.dtype) for t in cache.storage if t.dtype != cache.geometry.dtype}

@@ -6,17 +6,26 @@ must come back bit for bit into other blocks. Engine runs are in test_connector_
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from types import SimpleNamespace
 
 import pytest
 import torch
+from logical_kv import assert_same_blocks, random_bits
 
 pytest.importorskip("vllm")
 
 from kvlab.cache import ModelGeometry, allocate, layer_name  # noqa: E402
 from kvlab.connector import ConnectorConfig, KVLabConnector, reset_stores  # noqa: E402
-from kvlab.harness.driver import connector_pair, prefill, register, settle, stand_in_config, vllm_request  # noqa: E402
+from kvlab.harness.driver import (  # noqa: E402
+    connector_pair,
+    prefill,
+    register,
+    settle,
+    stand_in_config,
+    vllm_request,
+)
 from kvlab.transfer import file_reads  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fresh_stores")
@@ -185,18 +194,33 @@ def test_longer_prompt_reuses_the_shared_prefix() -> None:
     assert run_step(scheduler, worker, "b", prefix + list(range(900, 900 + 2 * BS)), list(range(6, 14)), False) == 5 * BS
 
 
-def test_model_or_layout_mismatch_is_a_miss(tmp_path) -> None:
-    """Two engines on one disk folder, one per-layer, one cross-layer: neither is handed
-    the other's chunks (they would not fit its cache)."""
-    extra = {"store": "disk", "disk": {"path": str(tmp_path)}}
-    scheduler, worker = connectors(GQA, extra)
-    register(worker, "vllm>=0.29 LBHNC", GQA, NUM_BLOCKS)
-    prompt = list(range(3 * BS + 1))
-    run_step(scheduler, worker, "a", prompt, [0, 1, 2, 3], False)
-    scheduler_b, worker_b = connectors(GQA, extra)
-    register(worker_b, "vllm>=0.29 BLHNC", GQA, NUM_BLOCKS)
-    assert run_step(scheduler_b, worker_b, "b", prompt, [4, 5, 6, 7], False) == 0
-    assert run_step(scheduler, worker, "c", prompt, [8, 9, 10, 11], False) == 3 * BS  # its own still hit
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole-step", "layerwise"])
+def test_engines_of_other_layouts_share_one_store(tmp_path, layerwise: bool) -> None:
+    """Engines on one disk folder, each with its own memory: what a per-layer CPU_ATTN engine
+    stored, a cross-layer one, an Ascend-style tuple one and a vLLM 0.26 one each load,
+    converted into their own layout with every layer's K and V of every token and head
+    bitwise the writer's (read through address_labels, not the copy's own views). A chunk of
+    another model of the same shape stays a miss, and the writer still hits its own."""
+    folder = {"tiers": ["memory", "disk"], "disk": {"path": str(tmp_path)}, "chunk_size": 3 * BS,
+              "layerwise": layerwise}
+    prompt = [(7 * i) % 501 for i in range(7 * BS + 5)]  # 7 full blocks, 3 chunks (3 + 3 + 1)
+    written, read = [3, 11, 5, 20, 8, 14, 1, 17], [9, 2, 23, 6, 15, 0, 12, 19]
+    scheduler, worker = connectors(GQA, {**folder, "store_name": "writer"})
+    register(worker, "vllm>=0.29 CPU_LBHNC", GQA, NUM_BLOCKS)
+    random_bits(worker.cache, seed=1)
+    assert run_step(scheduler, worker, "a", prompt, written, layerwise) == 0
+    for index, variant in enumerate(("vllm>=0.29 BLHNC", "ascend_kv_tuple", "vllm0.26 NHD cross")):
+        reader_scheduler, reader = connectors(GQA, {**folder, "store_name": f"reader-{index}"})
+        register(reader, variant, GQA, NUM_BLOCKS)
+        assert reader.cache.layout.name != worker.cache.layout.name
+        assert run_step(reader_scheduler, reader, "b", prompt, read, layerwise) == 7 * BS, variant
+        assert reader.stats.load_errors == 0, variant
+        assert_same_blocks(worker.cache, written[:7], reader.cache, read[:7])
+    other_model = dataclasses.replace(GQA, name="tiny-gqa-retrained")
+    other_scheduler, other = connectors(other_model, {**folder, "store_name": "another-model"})
+    register(other, "vllm>=0.29 CPU_LBHNC", other_model, NUM_BLOCKS)
+    assert run_step(other_scheduler, other, "c", prompt, read, layerwise) == 0
+    assert run_step(scheduler, worker, "d", prompt, read, layerwise) == 7 * BS  # its own still hit
 
 
 def test_corrupt_chunk_is_recomputed_not_loaded() -> None:

@@ -62,6 +62,25 @@ def test_profiles_build_configs():
     assert {c.layout for c in mla} >= {"ascend_mla_tuple", "BLHNC", "mla_v0.12"}
 
 
+def test_a_conversion_row_times_a_cache_against_a_buffer_of_another_layout():
+    """The conversions profile pairs each cache layout with the layout its chunks were stored
+    in; a row moves the cache's blocks to and from a host buffer of that layout, every byte
+    of them (the bytes are the cache's own copy's, the segments another count)."""
+    pairs = bench.PROFILES["conversions"]["conversions"]
+    configs = bench.configs(bench.PROFILES["conversions"])
+    assert {(c.layout, c.target) for c in configs if c.target != "host"} == set(pairs)
+    cpu = bench.resolve_device("cpu")
+    rows = {}
+    for target in ("host", "CPU_LBHNC"):
+        config = bench.Config(SMALL, "CPU_BLHNC", "memcpy", "load", 64, target=target)
+        setup = bench.Setup(config, cpu, 0)
+        assert setup.buffer.layout.name == ("CPU_BLHNC" if target == "host" else "CPU_LBHNC")
+        rows[target] = bench.measure(config, cpu, 3, setup)
+    assert rows["CPU_LBHNC"]["status"] == "ok" and rows["CPU_LBHNC"]["target"] == "CPU_LBHNC"
+    assert rows["CPU_LBHNC"]["bytes"] == rows["host"]["bytes"] == 64 * SMALL.token_bytes
+    assert rows["CPU_LBHNC"]["segments"] > rows["host"]["segments"]  # a page per layer and head, not a run per block
+
+
 def _synthetic_rows(per_segment, bandwidth, method="segments"):
     rows = []
     for segments, nbytes in [(16, 1 << 20), (512, 1 << 22), (2048, 1 << 24), (64, 1 << 26), (8192, 1 << 25)]:
@@ -226,7 +245,8 @@ def test_configs_refuse_a_bad_profile(changes, message):
 
 @pytest.mark.parametrize("changes, message", [
     ({"layout": "KV_2LTD"}, "chunk format, not a paged cache"),
-    ({"target": "LBHNC"}, "target must be 'host' or an LMCache chunk format"),
+    ({"target": "LBHNC"}, "target must be 'host', an LMCache chunk format or another layout than the cache's LBHNC"),
+    ({"target": "XYZ"}, "target must be 'host', an LMCache chunk format or another layout"),
     ({"direction": "sideways"}, "direction must be one of"),
     ({"block_ids": "random"}, "block_ids must be"),
     ({"tokens": 0}, "tokens must be a positive integer"),

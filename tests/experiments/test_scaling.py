@@ -22,6 +22,18 @@ def test_a_hits_profile_names_every_call_and_the_copy_within_the_load() -> None:
     assert rows["STREAM copy of the loaded bytes"]["ms"] > 0
 
 
+def test_layouts_sharing_times_each_layout_s_hit_of_its_own_and_of_the_other_s_chunks(tmp_path) -> None:
+    """Each reader hits the whole prompt from each file tier, of chunks it stored and of the
+    other layout's (converted: the same bytes loaded); a converted hit needs a shared tier."""
+    rows = [r for r in hit_costs.layouts_sharing(TINY, tmp_path, tokens=128, repeats=2) if r["call"] == "total"]
+    assert {(r["tiers"], r["layout"], r["stored_as"]) for r in rows} == {
+        (tier, reader, stored) for tier in ("shm", "disk") for reader in ("CPU_LBHNC", "CPU_BLHNC")
+        for stored in ("CPU_LBHNC", "CPU_BLHNC")}
+    assert {r["kv_bytes"] for r in rows} == {112 * TINY.token_bytes}, "7 full blocks loaded each time"
+    with pytest.raises(ValueError, match="reaches this one through a shared tier"):
+        hit_costs.overhead_profile(TINY, tokens=128, repeats=1, stored_as="CPU_BLHNC")
+
+
 def test_a_measurement_without_an_auth_key_drops_only_that_advice(caplog) -> None:
     """A profile through a remote tier runs without an auth_key on purpose: the connector's
     advice to deployments is not printed into a notebook, and every other warning still is."""

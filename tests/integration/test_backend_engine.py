@@ -1,7 +1,8 @@
 """kvlab's CPU attention backend inside vLLM's CPU engine (SmolLM2-135M, fp32): the seed's
 cross-layer request granted by vLLM's own allocator, the Ascend-style hooks called from
-the attention forward, layerwise loads and saves, each layout and mode from each tier; and
-each mode's connector calls, recorded, as the machinery diagrams draw them.
+the attention forward, layerwise loads and saves, each layout and mode from each tier, a
+cross-layer engine reading a per-layer one's chunks; and each mode's connector calls,
+recorded, as the machinery diagrams draw them.
 
 Every engine's cold run is bitwise plain CPU_ATTN's (an engine with kvlab's plugin turned
 off: the same kernels, so the same bits); every connector hit is bitwise vLLM's own prefix
@@ -57,7 +58,7 @@ def test_a_layout_the_backend_cannot_read_is_a_start_up_error(smollm2, prompts) 
     ("BLHNC", "whole-step", "shm", True, (SHARED,)),  # the seed's request, vLLM's default process layout
     ("BLHNC", "layerwise", "memory", False, DAMAGED),
     ("BLHNC", "hooks", "redis", True, (SHARED,)),
-    ("LBHNC", "hooks", "disk", False, (SHARED, "floor")),  # a disk hit is saved into memory, then a prefix hit
+    ("LBHNC", "hooks", "disk", False, (SHARED, "floor")),  # a disk hit saved into memory; a cross-layer reader
 ])
 def test_each_layout_and_mode_serves_hits_bitwise(smollm2, prompts, plain, tmp_path: Path, redis_server, layout: str,
                                                   mode: str, tier: str, processes: bool, then: tuple[str, ...]) -> None:
@@ -94,3 +95,11 @@ def test_each_layout_and_mode_serves_hits_bitwise(smollm2, prompts, plain, tmp_p
         sides = {call.side for call in recorded}  # in vLLM's default processes the scheduler side runs apart
         assert sides == ({"worker"} if processes else {"scheduler", "worker"}), phase
         assert recorded == [c for c in step_calls(mode, loads=loads, saves=not loads) if c.side in sides], phase
+    if tier == "disk":  # a cross-layer engine reads what this per-layer one left in the folder, converted
+        reader = run_engine(EngineSpec(smollm2, "kvlab", {"chunk_size": 64, "enable_cross_layers_blocks": True,
+                                                          "tiers": ["memory", "disk"],
+                                                          "disk": {"path": str(tmp_path / "disk")}},
+                                       dtype="float32", max_tokens=8, prefix_caching=True, phases=("cold",)), prompts)
+        assert reader["connector"]["default"]["layout"] == "CPU_BLHNC"
+        assert hits(reader, "cold") == loadable(prompts) and reader["connector"]["default"]["load_errors"] == 0
+        assert bitwise(result, reader, "control", "cold"), "the writer's own prefix hit: the same prefill split"

@@ -258,6 +258,30 @@ def test_the_tier_reads_table_compares_the_two_reads_within_their_spread():
     assert "this run cannot tell a read from disk straight into the cache from the buffered read" in close.lower()
 
 
+def test_the_conversions_table_judges_each_pair_by_its_worse_direction():
+    """A pair is met only when both directions' best methods reach the target over their
+    interquartile range; the cache's own copy stands beside it, and a pair below is missed."""
+    from kvlab.plotting.story.tables import conversions_table
+
+    def row(layout, target, direction, method, ratio):
+        return {"status": "ok", "model": "smollm2-135m", "tokens": 4096, "layout": layout, "target": target, "direction": direction,
+                "method": method, "ratio": ratio, "ratio_q1": ratio - 0.01, "ratio_q3": ratio + 0.01, "segments": 1440,
+                "mean_segment_bytes": 2048, "repeats": 15, "native_ratio": ratio - 0.05, "hardware": "cpu: Test (2 cores)", "profile": "paper",
+                "run_date": "2026-12-07"}
+
+    rows = [row("CPU_BLHNC", "host", d, "memcpy", 0.97) for d in ("load", "offload")]
+    rows += [row("CPU_BLHNC", "CPU_LBHNC", "load", "memcpy", 0.95), row("CPU_BLHNC", "CPU_LBHNC", "load", "gather", 0.5),
+             row("CPU_BLHNC", "CPU_LBHNC", "offload", "memcpy", 0.93),
+             row("LBHNC", "LBNHC", "load", "memcpy", 0.6), row("LBHNC", "LBNHC", "offload", "memcpy", 0.95)]
+    lines = str(conversions_table(rows)).splitlines()
+    met = next(line for line in lines if "CPU_BLHNC ← CPU_LBHNC" in line)
+    assert "0.95 (0.94–0.96) `memcpy`, 0.90 of STREAM" in met and "0.97 (0.96–0.98) `memcpy`" in met
+    assert met.endswith("| met | missed (0.88) |"), "the offload reached 0.88 of the STREAM copy"
+    assert next(line for line in lines if "LBHNC ← LBNHC" in line).endswith("| missed | missed (0.55) |")
+    with pytest.raises(ValueError, match="no conversion rows"):
+        conversions_table(rows[:2])
+
+
 def test_each_tier_s_hit_is_judged_against_its_own_target():
     from kvlab.plotting.story.targets import targets_table
 

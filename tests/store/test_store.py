@@ -117,9 +117,26 @@ def test_signature_mismatch_is_a_miss() -> None:
     store = KVStore(verify="always")
     c = chunk(1)
     store.put(c)
-    other = signature(allocate("BLHNC", GEOMETRY, 2))
+    other = signature(allocate("LBHNC", GEOMETRY.with_(name="retrained"), 2))
     assert store.get(c.key, expect=other) is None and store.stats.mismatched == 1
     assert store.get(c.key, expect=c.signature) is c
+
+
+def test_a_signature_names_what_decides_the_kv_not_the_layout() -> None:
+    """Caches of any two plain layouts of one model share chunks (a load converts); another
+    model, dtype, block size or MLA shape, or a quantized cache of another layout, does not."""
+    mla = ModelGeometry.mla("m", 2, 64, 32, dtype="bfloat16", block_size=16)
+    int8 = ModelGeometry("int8", 2, 2, 32, dtype="int8", quant="int8_per_token_head", block_size=16)
+
+    def of(layout, geometry):
+        return signature(allocate(layout, geometry, 2, "meta"))
+
+    assert len({of(layout, GEOMETRY) for layout in ("LBHNC", "BLHNC", "CPU_LBHNC", "ascend_kv_tuple")}) == 1
+    assert of("mla_v0.29", mla) == of("ascend_mla_tuple", mla) != of("mla_v0.29", mla.with_(qk_rope_head_dim=16,
+                                                                                        head_size=80))
+    assert len({of("LBHNC", g) for g in (GEOMETRY, GEOMETRY.with_(dtype=torch.float32),
+                                          GEOMETRY.with_(block_size=32), GEOMETRY.with_(name="other"))}) == 4
+    assert of("LBHNC", int8) != of("BLHNC", int8)
 
 
 def test_disk_tier_survives_a_new_store(tmp_path: Path) -> None:

@@ -152,6 +152,19 @@ def test_single_bit_flips_in_a_header_are_never_fatal(tmp_path: Path) -> None:
     assert outcomes["miss"] > 0.9 * sum(outcomes.values())
 
 
+def test_a_chunk_of_the_last_format_is_refused_with_one_line_saying_so(tmp_path: Path, caplog) -> None:
+    """A KVLAB-CHUNK-1 file (its signature also named the writer's layout) is a miss, dropped
+    and recomputed, with a log line that names both formats; never read as today's."""
+    original = chunk(1)
+    KVStore(tiers={"disk": {"path": tmp_path}}).put(original)
+    path = file_of(tmp_path, original)
+    path.write_bytes(path.read_bytes().replace(b"KVLAB-CHUNK-2\n", b"KVLAB-CHUNK-1\n", 1))
+    store = KVStore(tiers={"disk": {"path": tmp_path}})
+    with caplog.at_level("WARNING"):
+        assert hit(store, original) is None
+    assert not path.exists() and "a chunk of format KVLAB-CHUNK-1, not this kvlab's KVLAB-CHUNK-2" in caplog.text
+
+
 def write_raw(path: Path, header: object, payload: bytes = b"") -> None:
     head = header if isinstance(header, bytes) else json.dumps(header).encode()
     path.write_bytes(chunk_format._MAGIC + struct.pack("<Q", len(head)) + head + payload)

@@ -12,7 +12,8 @@ import os
 
 import pytest
 import torch
-from test_transfer import KV, MLA, PAGED, assert_other_blocks, assert_same_blocks, kv_bytes, random_bits
+from logical_kv import assert_other_blocks, assert_same_blocks, kv_bytes, random_bits
+from test_transfer import KV, MLA, PAGED
 
 from kvlab import hooks
 from kvlab.cache import ModelGeometry, allocate, device_here, layer_name, scattered_block_ids

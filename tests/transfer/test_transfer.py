@@ -1,12 +1,11 @@
 """The transfer engine moves exactly the right bytes, with every method, and says why it won't.
 
 Caches are filled with random bits (NaN and infinity patterns included), and every check
-reads them back bitwise through ``address_labels`` from kvlab.cache.layouts, not through the
+reads them back bitwise through ``address_labels`` (tests/logical_kv.py), not through the
 transfer module's own views, so a wrong stride in the engine cannot hide itself.
 """
 
 import dataclasses
-import functools
 import os
 import subprocess
 import sys
@@ -16,11 +15,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from logical_kv import assert_other_blocks, assert_same_blocks, kv_bytes, random_bits
 
 from kvlab.cache import (
     LAYOUTS,
     ModelGeometry,
-    address_labels,
     allocate,
     allocations,
     block_segments,
@@ -29,87 +28,24 @@ from kvlab.cache import (
     preset,
     scattered_block_ids,
 )
-from kvlab.transfer import LayerwiseLoad, Transfer, chunk_buffer, host_buffer, method_status
+from kvlab.transfer import (
+    LayerwiseLoad,
+    Transfer,
+    chunk_buffer,
+    host_buffer,
+    method_status,
+)
 from kvlab.transfer.views import layer_slices
 
 KV = ModelGeometry("kv", 2, 2, 8, dtype="bfloat16", block_size=4)
 MLA = ModelGeometry.mla("mla", 2, 12, 4, dtype="bfloat16", block_size=4)
+INT8 = ModelGeometry("int8", 2, 2, 32, dtype="int8", quant="int8_per_token_head", block_size=4)
 KV_LAYOUTS = compatible_layouts(KV, chunk_formats=False)
 MLA_LAYOUTS = compatible_layouts(MLA, chunk_formats=False)
 PAGED = [(False, name) for name in KV_LAYOUTS] + [(True, name) for name in MLA_LAYOUTS]
 CHUNK_FORMATS = [name for name, layout in LAYOUTS.items() if layout.is_chunk_format]
 FP8 = ["float8_e4m3fn"] if hasattr(torch, "float8_e4m3fn") else []
 DTYPES = ["float32", "bfloat16", "float16"] + FP8
-
-
-def random_bits(cache, seed=0):
-    """Fill every byte of the cache's backing tensors at random (in place); returns the cache."""
-    generator = torch.Generator().manual_seed(seed)
-    for tensor in cache.storage:  # in place: no freed temporary holds these bytes for empty() to reuse
-        tensor.view(-1).view(torch.uint8).random_(0, 256, generator=generator)
-    return cache
-
-
-@functools.cache
-def _byte_map(layout, geometry, num_blocks):
-    """For each (backing tensor, part): its head vectors of that part (row numbers), the
-    ``kv_bytes`` rows they belong in, and the part's byte offset and width there."""
-    g = geometry
-    labels = address_labels(layout, g, num_blocks)
-    flat = ((labels["layer"] * num_blocks + labels["block"]) * g.block_size + labels["token"]) * g.num_kv_heads
-    flat += labels["head"]
-    out, start = [], 0
-    for index, alloc in enumerate(allocations(layout, g, num_blocks)):
-        count = alloc.numel // alloc.sizes[-1]
-        parts = labels["part"][start:start + count]
-        for part in parts.unique().tolist():
-            rows = (parts == part).nonzero().flatten()
-            out.append((index, rows, flat[start:start + count][rows], sum(g.parts[:part]) * g.itemsize,
-                        alloc.sizes[-1] * g.itemsize))
-        start += count
-    assert start == len(flat)
-    return out
-
-
-def kv_bytes(cache):
-    """The cache as bytes ``[layer, block, token, head, content]``, each head's parts side by
-    side (K then V, or latent then rope), whatever the layout: comparable across layouts."""
-    g = cache.geometry
-    out = torch.zeros(g.num_layers * cache.num_blocks * g.block_size * g.num_kv_heads, g.content_size * g.itemsize,
-                      dtype=torch.uint8)
-    for index, rows, where, offset, width in _byte_map(cache.layout.name, g, cache.num_blocks):
-        vectors = cache.storage[index].reshape(-1).view(torch.uint8).view(-1, width)
-        out[:, offset:offset + width].index_copy_(0, where, vectors.index_select(0, rows))
-    return out.view(g.num_layers, cache.num_blocks, g.block_size, g.num_kv_heads, -1)
-
-
-def assert_same_blocks(a, a_blocks, b, b_blocks, layers=None):
-    """Block ``a_blocks[i]`` of ``a`` holds bitwise what block ``b_blocks[i]`` of ``b`` holds,
-    in every layer (or ``layers``) and part."""
-    a_bytes, b_bytes = kv_bytes(a), kv_bytes(b)
-    g = a.geometry
-    item = g.itemsize
-    a_blocks, b_blocks = list(a_blocks), list(b_blocks)
-    assert len(a_blocks) == len(b_blocks)
-    for x, y in zip(a_blocks, b_blocks):
-        for layer in range(g.num_layers) if layers is None else layers:
-            for part, name in enumerate(g.part_names):
-                lo, hi = sum(g.parts[:part]) * item, sum(g.parts[:part + 1]) * item
-                assert torch.equal(a_bytes[layer, x, ..., lo:hi], b_bytes[layer, y, ..., lo:hi]), (
-                    f"{a.layout.name} block {x} vs {b.layout.name} block {y}: layer {layer} {name} differs"
-                )
-
-
-def assert_other_blocks(cache, moved, before=None, layers=None):
-    """Blocks outside ``moved`` (and, with ``layers``, other layers of moved blocks) hold
-    ``before`` (a ``kv_bytes`` snapshot), or zeros."""
-    now = kv_bytes(cache)
-    expected = torch.zeros_like(now) if before is None else before
-    keep = torch.ones(now.shape[:2], dtype=torch.bool)
-    for layer in range(cache.geometry.num_layers) if layers is None else layers:
-        keep[layer, list(moved)] = False
-    bad = (now != expected).flatten(2).any(-1) & keep
-    assert not bad.any(), f"{cache.layout.name}: (layer, block) {bad.nonzero().tolist()[:8]} changed"
 
 
 def round_trip(src, ids, buffer, buffer_blocks, method, **kw):
@@ -197,6 +133,26 @@ def test_round_trip_is_bit_exact(mla, layout, data):
         round_trip(src, ids, buffers[-1], buffer_blocks, method)
     for other in buffers[1:]:
         assert_bitwise_equal(buffers[0], other)
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["kv", "mla"])
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_a_copy_between_two_paged_layouts_converts_bit_exact(mla, data):
+    """Blocks of one paged layout copied into another (a chunk stored by an engine of one
+    layout, loaded by an engine of another) hold every layer's parts of every token and head
+    bitwise, with every kvlab method, and leave the other blocks alone."""
+    layouts = MLA_LAYOUTS if mla else KV_LAYOUTS
+    source, target = data.draw(st.sampled_from(layouts)), data.draw(st.sampled_from(layouts))
+    geometry = data.draw(geometries(mla))
+    src = random_bits(allocate(source, geometry, 5), data.draw(st.integers(0, 2**16)))
+    ids = data.draw(block_id_sets(5))
+    into = data.draw(st.permutations(range(6)))[:len(ids)]
+    for method in ("segments", "gather", "memcpy"):
+        dst = allocate(target, geometry, 6)
+        Transfer(src, ids, dst, into, method).run()
+        assert_same_blocks(src, ids, dst, into)
+        assert_other_blocks(dst, into)
 
 
 @pytest.mark.skipif(not FP8, reason="this torch has no float8_e4m3fn")
@@ -338,7 +294,7 @@ def test_triton_round_trip_interpreted():
     """kvlab's Triton kernel, run by Triton's interpreter on the CPU, round-trips bit-exactly
     (the variable must be set before triton is imported, hence a fresh interpreter)."""
     pytest.importorskip("triton")
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+    code = (f"import sys; sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[1])!r}]; "
             "import test_transfer; test_transfer._triton_round_trips()")
     result = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1"},
                             capture_output=True, text=True, timeout=300)
@@ -477,8 +433,8 @@ def _kv_cache(layout="LBHNC", geometry=KV, num_blocks=4):
 BAD = {
     "geometry": (lambda: Transfer(_kv_cache(), [0], _kv_cache(geometry=KV.with_(num_layers=3))),
                  "source and destination hold different KV"),
-    "layout": (lambda: Transfer(_kv_cache(), [0], _kv_cache("BLHNC")),
-               "source layout LBHNC and destination layout BLHNC differ"),
+    "quantized layouts": (lambda: Transfer(_kv_cache(geometry=INT8), [0], _kv_cache("BLHNC", INT8)),
+                          "source layout LBHNC and destination layout BLHNC differ: a quantized cache's rows"),
     "too small": (lambda: Transfer(_kv_cache(num_blocks=8), [0, 1, 2], _kv_cache(num_blocks=2)),
                   r"destination too small: it holds 2 blocks .* the transfer moves 3"),
     "dtype": (lambda: Transfer(dataclasses.replace(_kv_cache(), storage=[t.float() for t in _kv_cache().storage]),

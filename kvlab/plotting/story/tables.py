@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Sequence
 
-from kvlab.experiments.targets import CPU_TARGETS, ceiling_targets
+from kvlab.experiments.targets import CONVERSION_TARGET, CPU_TARGETS, ceiling_targets
 from kvlab.experiments.tier_reads import ONE_THREAD_STREAM, STREAM
 from kvlab.experiments.ttft import engine_floor
 from kvlab.harness.spread import MEDIAN_ONLY, Estimate, difference, ratio, row_estimate, spread, summary
@@ -91,6 +91,91 @@ def ceiling_table(rows: Any) -> Prose:
     against = (f"; the best cross-layer method reached {span(native, '', 2)} of the STREAM-style copy." if native
                else ".")
     return Prose(f"{table}\n\n{ceilings_line}{against}")
+
+
+def conversions_table(rows: Any) -> Prose:
+    """Engines of other layouts sharing one store: each (cache layout, stored layout) pair's
+    best method in each direction, median share of the same-run ceiling, beside the cache's
+    copy into its own layout, judged against CONVERSION_TARGET by the worse direction."""
+    rows = [r for r in as_records(rows) if r.get("status") == "ok" and number(r.get("ratio"))]
+    best: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["model"], r["tokens"], r["layout"], r["target"], r["direction"])
+        if key not in best or r["ratio"] > best[key]["ratio"]:
+            best[key] = r
+    pairs = list(dict.fromkeys(key[:4] for key in best if key[3] != "host"))
+    if not pairs:
+        raise ValueError("no conversion rows (kvlab bench --profile conversions)")
+    body, loads = [], {True: [], False: []}  # converted loads by whether their runs are whole pages
+    for model, tokens, layout, stored in pairs:
+        load, offload = (best.get((model, tokens, layout, stored, d)) for d in ("load", "offload"))
+        if load and number(load.get("native_ratio")):
+            loads[load["mean_segment_bytes"] >= PAGE_BYTES].append(load["native_ratio"])
+        own = [best.get((model, tokens, layout, "host", d)) for d in ("load", "offload")]
+        moved = [r for r in (load, offload) if r]
+        worse = min(moved, key=lambda r: r["ratio"])
+        streams = [r["native_ratio"] for r in moved if number(r.get("native_ratio"))]
+        physical = "" if not streams else "met" if min(streams) >= CONVERSION_TARGET else f"missed ({min(streams):.2f})"
+        body.append([model_name(model), f"{tokens:,}", f"{layout} ← {stored}",
+                     f"{load['segments']:,} × {human_bytes(load['mean_segment_bytes'])}" if load else "",
+                     *(_best_cell(r) for r in (load, own[0], offload, own[1])), _verdict(worse, CONVERSION_TARGET),
+                     physical])
+    table = captioned(f"A cache's scattered blocks copied from (load) and into (offload) a host buffer of another "
+                     f"layout, the best method's median share of the same-run copy ceiling (interquartile range over "
+                     f"{span(r.get('repeats', 1) for r in rows)} repeats) and of the STREAM-style copy, beside the "
+                     f"cache's copy to and from its own layout; judged by the worse direction against "
+                     f"{CONVERSION_TARGET:.2f} of the ceiling, and of the STREAM-style copy (its median)",
+                     ["model", "tokens", "cache ← stored", "segments × size (load)", "load, converted", "load, own layout",
+                      "offload, converted", "offload, own layout", f"at least {CONVERSION_TARGET:.2f}",
+                      f"at least {CONVERSION_TARGET:.2f} of STREAM"], body, rows)
+    kinds = [f"{what} reached {span(loads[pages], '', 2)} of the STREAM-style copy" for pages, what in (
+        (True, "converted loads in runs of whole pages"),
+        (False, "converted loads in runs of one head of one token (token-major against head-major pages)"))
+             if loads[pages]]
+    reading = "; ".join(kinds)
+    return paragraphs(table, Prose(f"{reading[:1].upper()}{reading[1:]}.") if kinds else None)
+
+
+def layouts_sharing_table(rows: Any) -> Prose:
+    """Notebook 04: engines of two layouts sharing one store (hit_costs.layouts_sharing):
+    each layout's whole-step hit from each file tier of chunks it stored, and of chunks the
+    other layout stored, converted as they load; in all and the copy, and what converting
+    costs, claimed only beyond the spread."""
+    rows = as_records(rows)
+    samples = {(r["tiers"], r["layout"], r["stored_as"], r["call"]): r["samples_ms"] for r in rows}
+    hits = list(dict.fromkeys((r["tiers"], r["layout"]) for r in rows))
+    if not hits:
+        raise ValueError("no rows of layouts sharing a store (hit_costs.layouts_sharing)")
+    body, compared = [], []
+    for tier, layout in hits:
+        other = next((s for t, l, s, _ in samples if (t, l) == (tier, layout) and s != layout), None)
+        if other is None or (tier, layout, layout, "total") not in samples:
+            continue
+        own, converted = (samples[(tier, layout, stored, "total")] for stored in (layout, other))
+        body.append([tier, layout, other,
+                     *(_ms(spread([s / 1e3 for s in samples[(tier, layout, stored, call)]]))
+                       for stored in (layout, other) for call in ("total", "copy"))])
+        compared.append(versus(difference(converted, own), f"a {layout} hit from {tier} of {other}'s chunks",
+                               "one of its own"))
+    first = rows[0]
+    table = captioned(f"A {first['tokens']:,}-token whole-step hit ({first['kv_bytes'] / 1e6:,.1f} MB), every connector "
+                      f"call timed, median (min–max) over {len(own)} repeats: of chunks the engine stored itself, "
+                      f"and of chunks an engine of the other layout stored, converted as they load",
+                      ["tier", "engine", "the other layout", "its own: in all", "its own: the copy",
+                       "converted: in all", "converted: the copy"], body, rows)
+    return paragraphs(table, Prose(" ".join(f"{c[0].upper()}{c[1:]}." for c in compared)))
+
+
+PAGE_BYTES = 4096  # a run this long or longer moves whole pages (one head's tokens of a block)
+
+
+def _best_cell(row: dict | None) -> str:
+    """``0.95 (0.93–0.97) `memcpy`, 1.01 of STREAM``: a best method's share of the ceiling,
+    and of the STREAM-style copy where the run timed one."""
+    if row is None:
+        return ""
+    stream = f", {row['native_ratio']:.2f} of STREAM" if number(row.get("native_ratio")) else ""
+    return f"{_ratio_cell(row)} `{row['method']}`{stream}"
 
 
 def _ms(estimate: Estimate) -> str:
