@@ -194,30 +194,37 @@ def test_longer_prompt_reuses_the_shared_prefix() -> None:
     assert run_step(scheduler, worker, "b", prefix + list(range(900, 900 + 2 * BS)), list(range(6, 14)), False) == 5 * BS
 
 
-@pytest.mark.parametrize("layerwise", [False, True], ids=["whole-step", "layerwise"])
-def test_engines_of_other_layouts_share_one_store(tmp_path, layerwise: bool) -> None:
-    """Engines on one disk folder, each with its own memory: what a per-layer CPU_ATTN engine
+SERVERS = {"redis": "redis_server", "redis-cluster": "redis_cluster", "mooncake": "mooncake_store"}
+
+
+@pytest.mark.parametrize("tier, layerwise", [("disk", False), ("disk", True), ("shm", False), ("redis", False),
+                                             ("redis-cluster", False), ("mooncake", False)])
+def test_engines_of_other_layouts_share_one_store(request, tmp_path, tier: str, layerwise: bool) -> None:
+    """Engines on one shared tier, each with its own memory: what a per-layer CPU_ATTN engine
     stored, a cross-layer one, an Ascend-style tuple one and a vLLM 0.26 one each load,
     converted into their own layout with every layer's K and V of every token and head
     bitwise the writer's (read through address_labels, not the copy's own views). A chunk of
     another model of the same shape stays a miss, and the writer still hits its own."""
-    folder = {"tiers": ["memory", "disk"], "disk": {"path": str(tmp_path)}, "chunk_size": 3 * BS,
-              "layerwise": layerwise}
-    prompt = [(7 * i) % 501 for i in range(7 * BS + 5)]  # 7 full blocks, 3 chunks (3 + 3 + 1)
+    if tier in SERVERS:
+        shared = request.getfixturevalue(SERVERS[tier]).extra()
+    else:
+        shared = {"tiers": ["memory", tier], tier: {"path": str(tmp_path / tier)}}
+    shared.update({"chunk_size": 3 * BS, "layerwise": layerwise})
+    prompt = [(11 * i + 3) % 499 for i in range(7 * BS + 5)]  # 7 full blocks, 3 chunks (3 + 3 + 1), keys of its own
     written, read = [3, 11, 5, 20, 8, 14, 1, 17], [9, 2, 23, 6, 15, 0, 12, 19]
-    scheduler, worker = connectors(GQA, {**folder, "store_name": "writer"})
+    scheduler, worker = connectors(GQA, {**shared, "store_name": "writer"})
     register(worker, "vllm>=0.29 CPU_LBHNC", GQA, NUM_BLOCKS)
     random_bits(worker.cache, seed=1)
     assert run_step(scheduler, worker, "a", prompt, written, layerwise) == 0
     for index, variant in enumerate(("vllm>=0.29 BLHNC", "ascend_kv_tuple", "vllm0.26 NHD cross")):
-        reader_scheduler, reader = connectors(GQA, {**folder, "store_name": f"reader-{index}"})
+        reader_scheduler, reader = connectors(GQA, {**shared, "store_name": f"reader-{index}"})
         register(reader, variant, GQA, NUM_BLOCKS)
         assert reader.cache.layout.name != worker.cache.layout.name
         assert run_step(reader_scheduler, reader, "b", prompt, read, layerwise) == 7 * BS, variant
         assert reader.stats.load_errors == 0, variant
         assert_same_blocks(worker.cache, written[:7], reader.cache, read[:7])
     other_model = dataclasses.replace(GQA, name="tiny-gqa-retrained")
-    other_scheduler, other = connectors(other_model, {**folder, "store_name": "another-model"})
+    other_scheduler, other = connectors(other_model, {**shared, "store_name": "another-model"})
     register(other, "vllm>=0.29 CPU_LBHNC", other_model, NUM_BLOCKS)
     assert run_step(other_scheduler, other, "c", prompt, read, layerwise) == 0
     assert run_step(scheduler, worker, "d", prompt, read, layerwise) == 7 * BS  # its own still hit
