@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import torch
 
 from kvlab.cache import ModelGeometry, allocate
-from kvlab.experiments.scaling import with_stream_bound
+from kvlab.experiments.scaling import stream_copy_samples
 from kvlab.runtime.progress import progress
 
 STORED = (10, 1000, 100_000)
@@ -109,9 +109,9 @@ def overhead_profile(geometry: ModelGeometry, tokens: int = 2000, repeats: int =
     per_request["total without the copy"] = [a - b for a, b in zip(per_request["total"], per_request["copy"])]
     rows = [{"call": name, "ms": 1e3 * statistics.median(times), "samples_ms": [1e3 * t for t in times]}
             for name, times in per_request.items()]
-    (bound,) = with_stream_bound([{"kv_bytes": loaded, "overhead_s": statistics.median(per_request["total"])}])
-    rows.append({"call": "STREAM copy of the loaded bytes", "ms": 1e3 * bound["stream_s"],
-                 "samples_ms": [1e3 * t for t in bound["stream_samples_s"]]})
+    stream = stream_copy_samples(loaded)
+    rows.append({"call": "STREAM copy of the loaded bytes", "ms": 1e3 * statistics.median(stream),
+                 "samples_ms": [1e3 * t for t in stream]})
     return [{**row, "tokens": tokens, "kv_bytes": loaded, "method": worker.worker.method,
              "layout": layout, "stored_as": stored_as or layout, "tiers": "+".join(extra["tiers"])} for row in rows]
 

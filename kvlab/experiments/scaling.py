@@ -105,26 +105,31 @@ def costs_by_length(model: str, prompts: list[list[int]], workdir: str | Path, r
     return with_stream_bound(rows)
 
 
-def with_stream_bound(rows: list[dict], repeats: int = 15) -> list[dict]:
-    """Each row with ``stream_s``, the median time kvlab's STREAM-style copy (kvlab's C batch
-    copy on torch's threads, one contiguous run) takes for its ``kv_bytes`` here (every
-    sample in ``stream_samples_s``), and
-    ``bound_ratio`` = overhead over it: the physical bound of a load. As STREAM asks, the
-    bytes come from memory, not from the cache: each repeat copies another buffer, and the
-    buffers together are four times the last-level cache (:func:`last_level_cache_bytes`)."""
+def stream_copy_samples(nbytes: int, repeats: int = 15) -> list[float]:
+    """Seconds kvlab's STREAM-style copy (kvlab's C batch copy on torch's threads, one
+    contiguous run) takes for ``nbytes`` here, one sample a repeat: the physical bound of a
+    load. As STREAM asks, the bytes come from memory, not from the cache: each repeat copies
+    another buffer, and the buffers together are four times the last-level cache
+    (:func:`last_level_cache_bytes`)."""
     cpu = torch.device("cpu")
-    bound: dict[int, float] = {}
-    for nbytes in sorted({r["kv_bytes"] for r in rows if r["kv_bytes"]}):
-        copies = [ceiling_copy(nbytes, "load", cpu, native=True)
-                  for _ in range(max(2, min(-(-4 * last_level_cache_bytes() // nbytes), (4 << 30) // nbytes)))]
-        for copy in copies:
-            copy()
-        times = []
-        for i in range(repeats):
-            began = time.perf_counter()
-            copies[i % len(copies)]()
-            times.append(time.perf_counter() - began)
-        bound[nbytes] = times
+    copies = [ceiling_copy(nbytes, "load", cpu, native=True)
+              for _ in range(max(2, min(-(-4 * last_level_cache_bytes() // nbytes), (4 << 30) // nbytes)))]
+    for copy in copies:
+        copy()
+    times = []
+    for i in range(repeats):
+        began = time.perf_counter()
+        copies[i % len(copies)]()
+        times.append(time.perf_counter() - began)
+    return times
+
+
+def with_stream_bound(rows: list[dict], repeats: int = 15) -> list[dict]:
+    """Each row with ``stream_s``, the median of :func:`stream_copy_samples` for its
+    ``kv_bytes`` (every sample in ``stream_samples_s``), and ``bound_ratio`` = overhead over
+    it: the physical bound of a load."""
+    bound = {nbytes: stream_copy_samples(nbytes, repeats) for nbytes in sorted({r["kv_bytes"] for r in rows
+                                                                                if r["kv_bytes"]})}
     return [{**r, "stream_s": statistics.median(bound[r["kv_bytes"]]) if r["kv_bytes"] else None,
              "stream_samples_s": bound.get(r["kv_bytes"]),
              "bound_ratio": r["overhead_s"] / statistics.median(bound[r["kv_bytes"]]) if r["kv_bytes"] else None}

@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 import torch
 
 from kvlab.cache import ModelGeometry, allocate
-from kvlab.experiments.scaling import with_stream_bound
+from kvlab.experiments.scaling import stream_copy_samples
 from kvlab.experiments.timing import repeated
 from kvlab.runtime.progress import progress
 from kvlab.store import KVStore
@@ -94,10 +94,8 @@ def tier_read_profile(geometry: ModelGeometry, workdir: str | Path, tokens: int 
             resident = torch.ones(max(f.stat().st_size for f in files), dtype=torch.uint8)  # its pages in place
             timed((tier, "the kernel's read alone", "in all"), lambda: [_read_whole(f, resident) for f in files])
             shutil.rmtree(root, ignore_errors=True)
-        (bound,) = with_stream_bound([{"kv_bytes": nbytes, "overhead_s": 1.0}], repeats)
-        parts[("memory", "reference", ONE_THREAD_STREAM)] = bound["stream_samples_s"]
-    (bound,) = with_stream_bound([{"kv_bytes": nbytes, "overhead_s": 1.0}], repeats)
-    parts[("memory", "reference", STREAM)] = bound["stream_samples_s"]
+        parts[("memory", "reference", ONE_THREAD_STREAM)] = stream_copy_samples(nbytes, repeats)
+    parts[("memory", "reference", STREAM)] = stream_copy_samples(nbytes, repeats)
     return [{"tier": tier, "path": path, "part": part, "ms": 1e3 * statistics.median(times),
              "samples_ms": [1e3 * t for t in times], "tokens": tokens, "kv_bytes": nbytes, "chunks": len(chunks),
              "layout": layout, "method": method} for (tier, path, part), times in parts.items()]
