@@ -27,11 +27,15 @@ def copy_method(asked: str, cache: KVCache) -> str:
 
 
 @functools.lru_cache(maxsize=32)
-def runs_per_block(layout: str, geometry: ModelGeometry, num_blocks: int, per_layer: bool) -> int:
-    """Contiguous runs one cache block occupies (summed over layers when ``per_layer``:
-    a layer-by-layer copy cannot merge across layers). Planned on the meta device."""
+def runs_per_block(layout: str, geometry: ModelGeometry, num_blocks: int, per_layer: bool,
+                   stored_as: str | None = None) -> int:
+    """Contiguous runs one cache block's copy to a block of a buffer takes (summed over layers
+    when ``per_layer``: a layer-by-layer copy cannot merge across layers), the buffer in the
+    cache's own layout or in ``stored_as`` (a chunk of another layout, converted: the finer
+    layout's runs). Planned on the meta device."""
     cache = allocate(layout, geometry, num_blocks, "meta")
-    one = allocate(layout, geometry, 1, "meta")
+    # a chunk of another layout as one of two blocks: a one-block chunk's layers would lie back to back
+    one = allocate(layout, geometry, 1, "meta") if stored_as is None else allocate(stored_as, geometry, 2, "meta")
     if not per_layer:
         return copy_plan(cache, [0], one, [0]).segments
     return sum(copy_plan(cache, [0], one, [0], [i]).segments for i in range(geometry.num_layers))

@@ -28,7 +28,7 @@ from kvlab.connector.messages import KVLabMetadata, KVLabWorkerMeta, LoadSpec, S
 from kvlab.connector.registration import copy_method, cross_layer_decision, runs_per_block, tensor_parallel_rank
 from kvlab.connector.stores import ConnectorStats, worker_store
 from kvlab.connector.weights import watch_weight_loads, weights_epoch
-from kvlab.store.chunk import Chunk, Placement
+from kvlab.store.chunk import Chunk, Header, Placement
 from kvlab.store.faults import FailedCheck
 from kvlab.store.keys import signature
 from kvlab.transfer.common import in_callers_mode
@@ -36,7 +36,6 @@ from kvlab.transfer.engine import Transfer, host_buffer, run_all
 from kvlab.transfer.layerwise import LayerwiseLoad
 
 logger = logging.getLogger("kvlab.connector")
-DELIVERED = object()  # what a fetch gives for a chunk a file tier read straight into the cache
 
 
 @dataclass
@@ -138,10 +137,12 @@ class WorkerSide:
                     self.failures.load_failed(spec.req_id, block_ids)
                     self.stats.load_errors += 1
                     continue
-                if chunk is not DELIVERED:
+                delivered = isinstance(chunk, Header)
+                if not delivered:
                     sources.append((chunk.buffer, positions, block_ids))
                 self.stats.loaded_blocks += len(block_ids)
-                self.stats.load_segments += self._segments(len(block_ids), self.config.layerwise)
+                self.stats.load_segments += self._segments(len(block_ids), self.config.layerwise,
+                                                           chunk.layout if delivered else chunk.buffer.layout.name)
         if self.config.layerwise and sources:  # one copy thread (or stream) for the step, layer by layer
             self._loads.append(LayerwiseLoad.from_sources(self.cache, sources, self.method).start())
         elif sources:
@@ -150,9 +151,10 @@ class WorkerSide:
                      for buffer, positions, block_ids in sources], self._copy_workers)
             self.stats.load_work_seconds += time.perf_counter() - start
 
-    def _by_chunk(self, spec: LoadSpec) -> list[tuple[Chunk | object | None, list[int], list[int]]]:
-        """The step's sources grouped by chunk, each fetched (and checked) once: :data:`DELIVERED`
-        where a file tier read it into the cache (whole-step loads: layerwise ones copy per layer)."""
+    def _by_chunk(self, spec: LoadSpec) -> list[tuple[Chunk | Header | None, list[int], list[int]]]:
+        """The step's sources grouped by chunk, each fetched (and checked) once: its checked
+        header where a file tier read it into the cache (whole-step loads: layerwise ones copy
+        per layer)."""
         groups: list[tuple[tuple[str, str], list[int], list[int], list[str]]] = []
         for source, block_id in zip(spec.sources, spec.block_ids):
             ident = (source.tier, source.chunk_keys[self.rank])
@@ -164,12 +166,12 @@ class WorkerSide:
 
         reads: list[tuple[float, float]] = []  # each read into the cache's start and end: the copy's span
 
-        def fetch(group: tuple[tuple[str, str], list[int], list[int], list[str]]) -> Chunk | object | None:
+        def fetch(group: tuple[tuple[str, str], list[int], list[int], list[str]]) -> Chunk | Header | None:
             (tier, chunk_key), positions, block_ids, keys = group
             began = time.perf_counter()
             found = self._fetch(tier, chunk_key, dict(zip(positions, keys)),
                                 None if self.config.layerwise else Placement(self.cache, positions, block_ids))
-            reads.extend([(began, time.perf_counter())] if found is DELIVERED else [])
+            reads.extend([(began, time.perf_counter())] if isinstance(found, Header) else [])
             return found
 
         # fetched tail first (each read marks its chunk used, so a prompt's head outlives its tail),
@@ -179,10 +181,10 @@ class WorkerSide:
         return [(chunk, positions, block_ids) for chunk, (_, positions, block_ids, _) in zip(chunks[::-1], groups)]
 
     def _fetch(self, tier: str, chunk_key: str, expect: dict[int, str] | None = None,
-               into: Placement | None = None) -> Chunk | object | None:
+               into: Placement | None = None) -> Chunk | Header | None:
         """The chunk from the tier the scheduler named, else from the next shared tier that
         holds it, checked by the store: of this cache, holding at each position the block
-        ``expect`` names there (this worker's shard of it in a shared tier); :data:`DELIVERED`
+        ``expect`` names there (this worker's shard of it in a shared tier); its checked header
         when a tier read it straight into the blocks ``into`` names; None when no tier can.
         Every tier that could not is reported, so the scheduler stops routing loads there
         (and forgets a memory chunk that failed its check everywhere)."""
@@ -194,7 +196,7 @@ class WorkerSide:
             self.failures.tier_missed(name, chunk_key)
         if found.dropped:  # gone here; the scheduler forgets it everywhere
             self.failures.chunk_failed(chunk_key)
-        return DELIVERED if found.delivered else found.chunk
+        return found.delivered or found.chunk
 
     def _fail_loads(self, loads: list[LoadSpec], error: Exception) -> None:
         """Hand every block of ``loads`` back to vLLM to recompute."""
@@ -204,11 +206,12 @@ class WorkerSide:
             self.failures.load_failed(spec.req_id, spec.block_ids)
         self.stats.load_errors += 1
 
-    def _segments(self, blocks: int, per_layer: bool) -> int:
-        """Contiguous cache runs that moving ``blocks`` scattered blocks touches (all layers
-        at once, or layer by layer): what a one-copy-per-run engine would issue."""
+    def _segments(self, blocks: int, per_layer: bool, stored_as: str | None = None) -> int:
+        """Contiguous runs that moving ``blocks`` scattered blocks between the cache and a
+        buffer of its own layout (or ``stored_as``: a chunk another layout stored) takes, all
+        layers at once or layer by layer: what a one-copy-per-run engine would issue."""
         cache = self.cache
-        return blocks * runs_per_block(cache.layout.name, cache.geometry, cache.num_blocks, per_layer)
+        return blocks * runs_per_block(cache.layout.name, cache.geometry, cache.num_blocks, per_layer, stored_as)
 
     def wait_for_layer_load(self, layer_name: str, meta: KVLabMetadata | None) -> None:
         if not self._loads:

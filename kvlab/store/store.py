@@ -40,7 +40,7 @@ class Fetched:
     tier: str | None = None
     missed: tuple[str, ...] = ()
     dropped: bool = False
-    delivered: bool = False  # read straight into the cache a Placement named: no chunk
+    delivered: Header | None = None  # the checked header of a chunk read straight into the cache: no chunk
 
 
 @dataclass(frozen=True)
@@ -168,10 +168,11 @@ class KVStore:
             else:
                 wanted = blocks if shard == WHOLE else {p: shard_key(k, *shard) for p, k in (blocks or {}).items()}
                 if into is not None and valid_key(chunk_key) and _reads_into(source, into):
-                    if source.read_into(chunk_key, into, lambda header: self._fits(header, expect, wanted)):
+                    header = source.read_into(chunk_key, into, lambda header: self._fits(header, expect, wanted))
+                    if header is not None:
                         source.touch(chunk_key)
                         self.stats.read_into_cache += 1
-                        return Fetched(None, source.name, tuple(missed), dropped, delivered=True)
+                        return Fetched(None, source.name, tuple(missed), dropped, delivered=header)
                     missed.append(source.name)
                     continue
                 chunk = source.get(chunk_key) if valid_key(chunk_key) else None
@@ -297,6 +298,7 @@ class KVStore:
 
 def _reads_into(tier: Tier, into: Placement) -> bool:
     """Whether ``tier`` reads a chunk straight into the cache ``into`` names (an optional
-    part of the tier protocol: ``can_read_into`` and ``read_into``, as the disk tier has)."""
+    part of the tier protocol: ``can_read_into``, and ``read_into`` returning the chunk's
+    checked header, or None for a miss, as the disk tier has)."""
     can = getattr(tier, "can_read_into", None)
     return can is not None and can(into.cache)

@@ -223,6 +223,9 @@ def test_engines_of_other_layouts_share_one_store(request, tmp_path, tier: str, 
         assert run_step(reader_scheduler, reader, "b", prompt, read, layerwise) == 7 * BS, variant
         assert reader.stats.load_errors == 0, variant
         assert_same_blocks(worker.cache, written[:7], reader.cache, read[:7])
+        if index == 0:  # CPU_BLHNC reading CPU_LBHNC: a run per block and layer (its heads side by side in
+            # both), where a chunk of its own would move one run per block
+            assert reader.stats.load_segments == 7 * GQA.num_layers
     other_model = dataclasses.replace(GQA, name="tiny-gqa-retrained")
     other_scheduler, other = connectors(other_model, {**shared, "store_name": "another-model"})
     register(other, "vllm>=0.29 CPU_LBHNC", other_model, NUM_BLOCKS)
