@@ -25,7 +25,7 @@ from kvlab.cache.allocation import adopt, layer_name, view_parts
 from kvlab.cache.fits import compatible_layouts
 from kvlab.cache.layouts import LAYOUTS, Holds, by_role
 from kvlab.connector.config import CROSS_LAYER_LAYOUT, REMOTE_TIERS, ConnectorConfig
-from kvlab.connector.geometry import engine_geometry, on_cpu, uses_mla
+from kvlab.connector.geometry import engine_geometry, on_cpu, total_kv_heads, uses_mla
 from kvlab.connector.messages import KVLabMetadata, KVLabWorkerMeta
 from kvlab.connector.refusal import RefusedScheduler, cache_refusal
 from kvlab.connector.metrics import SCHEDULER_COUNTERS, WORKER_COUNTERS, CounterDeltas, KVLabPromMetrics, KVLabStats
@@ -88,7 +88,8 @@ class KVLabConnector(KVConnectorBase_V1):
                                "loads any whose checksum holds; set auth_key (\"file:/path\", a key the "
                                "deployment's hosts share: docs/reliability.md)", " and ".join(remote))
         else:
-            self.worker = WorkerSide(self.config, self._stats, self._kv_transfer_config.engine_id)
+            self.worker = WorkerSide(self.config, self._stats, self._kv_transfer_config.engine_id,
+                                     total_kv_heads(vllm_config))
 
     @property
     def stats(self) -> ConnectorStats:

@@ -35,6 +35,13 @@ def engine_geometry(vllm_config: VllmConfig, num_layers: int | None = None,
                          quant=quant)
 
 
+def total_kv_heads(vllm_config: VllmConfig) -> int | None:
+    """The model's kv heads, every tensor-parallel rank's together, where the ranks split
+    them by head; None for an MLA latent (the same on every rank)."""
+    model = vllm_config.model_config
+    return None if model.use_mla else int(model.get_total_num_kv_heads())
+
+
 def on_cpu() -> bool:
     from vllm.platforms import current_platform
 

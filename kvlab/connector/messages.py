@@ -20,10 +20,12 @@ except ImportError:  # torch alone (the worker side on a device machine without 
 
 @dataclass(frozen=True)
 class Source:
-    """Where a block can be loaded from: a tier, the chunk holding it on each worker
-    (ranks in order), its position in the chunk, and the block's own key (each worker checks
-    that its chunk holds that block there: engines with other chunk sizes sharing a folder
-    write chunks of the same name that start elsewhere)."""
+    """Where a block can be loaded from: a tier, the chunk holding it on each rank that
+    stored it (ranks in order: as many as the tensor-parallel size it was stored at, which
+    may differ from the reader's, kvlab.connector.shards), its position in the chunk, and
+    the block's own key (each worker checks that its chunk holds that block there: engines
+    with other chunk sizes sharing a folder write chunks of the same name that start
+    elsewhere)."""
 
     tier: str
     chunk_keys: tuple[str, ...]
@@ -73,7 +75,9 @@ class KVLabWorkerMeta(KVConnectorWorkerMetadata):
 
     stored: Counter = field(default_factory=Counter)  # memory chunk key -> workers that stored it
     failed: set[str] = field(default_factory=set)  # memory chunks some worker could not store
-    signature: str | None = None  # the workers' cache (model, dtype, block size: kvlab.store.keys.signature), once
+    # once: the signature (kvlab.store.keys.signature) of the chunks the workers read, by the
+    # tensor-parallel size that stored them (their own first)
+    signatures: dict[int, str] | None = None
     load_failed: set[str] = field(default_factory=set)  # requests some of whose blocks did not load
     missed: set[tuple[str, str]] = field(default_factory=set)  # (tier, chunk key) a load found unusable there
 
@@ -81,8 +85,8 @@ class KVLabWorkerMeta(KVConnectorWorkerMetadata):
         if not isinstance(other, KVLabWorkerMeta):  # another connector's metadata: a wiring error
             raise TypeError(f"cannot aggregate KVLabWorkerMeta with {type(other).__name__}")
         return KVLabWorkerMeta(self.stored + other.stored, self.failed | other.failed,
-                               self.signature or other.signature, self.load_failed | other.load_failed,
+                               self.signatures or other.signatures, self.load_failed | other.load_failed,
                                self.missed | other.missed)
 
     def __bool__(self) -> bool:
-        return bool(self.stored or self.failed or self.signature or self.load_failed or self.missed)
+        return bool(self.stored or self.failed or self.signatures or self.load_failed or self.missed)

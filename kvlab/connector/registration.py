@@ -10,7 +10,7 @@ from kvlab.cache.allocation import KVCache, allocate
 from kvlab.cache.geometry import ModelGeometry
 from kvlab.connector.geometry import on_cpu
 from kvlab.transfer.engine import host_buffer
-from kvlab.transfer.plan import copy_plan
+from kvlab.transfer.plan import HeadSlice, copy_plan
 from kvlab.transfer.registry import method_status, preferred_methods
 
 def copy_method(asked: str, cache: KVCache) -> str:
@@ -28,17 +28,20 @@ def copy_method(asked: str, cache: KVCache) -> str:
 
 @functools.lru_cache(maxsize=32)
 def runs_per_block(layout: str, geometry: ModelGeometry, num_blocks: int, per_layer: bool,
-                   stored_as: str | None = None) -> int:
-    """Contiguous runs one cache block's copy to a block of a buffer takes (summed over layers
-    when ``per_layer``: a layer-by-layer copy cannot merge across layers), the buffer in the
-    cache's own layout or in ``stored_as`` (a chunk of another layout, converted: the finer
-    layout's runs). Planned on the meta device."""
+                   stored_as: str | None = None, stored_geometry: ModelGeometry | None = None,
+                   heads: HeadSlice | None = None) -> int:
+    """Contiguous runs one cache block's copy to or from a block of a buffer takes (summed
+    over layers when ``per_layer``: a layer-by-layer copy cannot merge across layers), the
+    buffer in the cache's own layout or in ``stored_as`` (a chunk of another layout,
+    converted: the finer layout's runs), of ``stored_geometry`` with ``heads`` taken from it
+    (a shard another tensor-parallel size stored). Planned on the meta device."""
     cache = allocate(layout, geometry, num_blocks, "meta")
     # a chunk of another layout as one of two blocks: a one-block chunk's layers would lie back to back
-    one = allocate(layout, geometry, 1, "meta") if stored_as is None else allocate(stored_as, geometry, 2, "meta")
+    one = allocate(layout, geometry, 1, "meta") if stored_as is None \
+        else allocate(stored_as, stored_geometry or geometry, 2, "meta")
     if not per_layer:
-        return copy_plan(cache, [0], one, [0]).segments
-    return sum(copy_plan(cache, [0], one, [0], [i]).segments for i in range(geometry.num_layers))
+        return copy_plan(one, [0], cache, [0], heads=heads).segments
+    return sum(copy_plan(one, [0], cache, [0], [i], heads).segments for i in range(geometry.num_layers))
 
 
 def tensor_parallel_rank() -> tuple[int, int]:

@@ -37,8 +37,8 @@ SIGNATURE_WAIT_STEPS = 100
 # recently used ones are kept, and each is trusted only while its file is the one checked.
 # Each entry holds its block keys: ~1.5 KB for a chunk of 16 blocks, so ~6 MB at most.
 CHECKED_CHUNKS = 4096
-# What one lookup found in the shared tiers: block key -> {tier: (its chunk key per worker,
-# position)} of the tiers that hold it for every worker, checked, in lookup order.
+# What one lookup found in the shared tiers: block key -> {tier: (its chunk key per rank that
+# stored it, position)} of the tiers that hold it for every worker, checked, in lookup order.
 SharedHeld = dict[str, dict[str, tuple[tuple[str, ...], int]]]
 
 
@@ -71,7 +71,9 @@ class SchedulerSide:
         self.shared = lookup_store(config)
         if self.shared is not None:
             self.shared.check_shared()  # a tier that cannot be reached fails start-up
-        self.signature: str | None = None  # the workers' cache, once they report it
+        # the signatures of the chunks the workers read, by the tensor-parallel size that stored
+        # them (kvlab.connector.shards; their own first), once they report them
+        self.signatures: dict[int, str] | None = None
         self._requests: dict[str, _RequestState] = {}
         # (tier, chunk key) -> (the stored chunk's identity when checked, its block keys if intact and of this cache)
         self._checked: OrderedDict[tuple[str, str], tuple[object, tuple[str, ...] | None]] = OrderedDict()
@@ -99,7 +101,7 @@ class SchedulerSide:
 
     # ---- lookups -------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if self.shared is not None and self.signature is None and self._waits < SIGNATURE_WAIT_STEPS:
+        if self.shared is not None and self.signatures is None and self._waits < SIGNATURE_WAIT_STEPS:
             return None, False  # the workers report their cache with their first step's output
         self._follow_weights()
         prompt = list(request.prompt_token_ids or [])
@@ -144,37 +146,56 @@ class SchedulerSide:
 
     def _held_everywhere(self, held: SharedHeld, key: str) -> bool:
         """Every shared tier holds this block for every worker, checked (a chunk file only
-        indexed may be damaged: saving over it repairs it)."""
+        indexed may be damaged: saving over it repairs it): in shards of this engine's
+        tensor-parallel size or of another that its workers read."""
         return self.shared is not None and len(held.get(key, ())) == len(self.shared.shared_names)
 
     def _locate_shared(self, keys: list[str]) -> SharedHeld:
         """Which shared tiers hold each block for every worker, checked, and where: one call
-        per tier (one round trip to a remote one) for the whole prompt, not one per block. A
-        disk tier finds a chunk another process wrote by its name."""
-        if self.shared is None or self.signature is None:
+        per tier (one round trip to a remote one) for the whole prompt, not one per block,
+        for shards of this engine's tensor-parallel size; from the first block none holds
+        so, one more for shards of the other sizes the workers read (kvlab.connector.shards).
+        A disk tier finds a chunk another process wrote by its name."""
+        if self.shared is None or self.signatures is None:
             return {}
-        shards = {key: [shard_key(key, rank, self.workers) for rank in range(self.workers)] for key in keys}
-        flat = [shard for key in keys for shard in shards[key]]
-        located = {tier: dict(zip(flat, where)) for tier, where in self.shared.locate_shared(flat).items()}
-        self._check_located(located)
+        own, *others = self.signatures
+        held = self._locate_sizes(keys, [own])
+        missing = next((i for i, key in enumerate(keys) if not held[key]), len(keys))
+        if others and missing < len(keys):
+            for key, where in self._locate_sizes(keys[missing:], others).items():
+                for tier, found in where.items():
+                    held[key].setdefault(tier, found)
+        return held
+
+    def _locate_sizes(self, keys: list[str], sizes: list[int]) -> SharedHeld:
+        """:meth:`_locate_shared` for shards stored at ``sizes`` (the first that a tier holds
+        a block in, in that order)."""
+        shards = {(key, size): [shard_key(key, rank, size) for rank in range(size)] for key in keys for size in sizes}
+        size_of = {shard: size for (_, size), names in shards.items() for shard in names}
+        located = {tier: dict(zip(size_of, where)) for tier, where in self.shared.locate_shared(list(size_of)).items()}
+        self._check_located(located, size_of)
         held: SharedHeld = {}
         for key in keys:
             held[key] = {}
             for tier, where in located.items():
-                found = [where[shard] for shard in shards[key]]
-                if None not in found and len({f[1] for f in found}) == 1 \
-                        and all(self._holds(tier, f[0], f[1], shard) for f, shard in zip(found, shards[key])):
-                    held[key][tier] = (tuple(f[0] for f in found), found[0][1])
+                for size in sizes:
+                    names = shards[(key, size)]
+                    found = [where[shard] for shard in names]
+                    if None not in found and len({f[1] for f in found}) == 1 \
+                            and all(self._holds(tier, f[0], f[1], shard) for f, shard in zip(found, names)):
+                        held[key][tier] = (tuple(f[0] for f in found), found[0][1])
+                        break
         return held
 
-    def _check_located(self, located: dict[str, dict[str, tuple[str, int] | None]]) -> None:
+    def _check_located(self, located: dict[str, dict[str, tuple[str, int] | None]], size_of: dict[str, int]) -> None:
         """Check each chunk located that was not checked since it last changed or vanished
         (one stat tells) or a worker could not load it: its header, against the workers'
         cache, one call per tier for all of them. The payload never crosses to the
         scheduler: the worker that loads it checks it, and a chunk that fails there is a
-        load error, recomputed."""
-        chunks = dict.fromkeys((tier, found[0]) for tier, where in located.items()
-                               for found in where.values() if found is not None)
+        load error, recomputed. A chunk must be of the tensor-parallel size (``size_of``
+        each shard key located) that its key names."""
+        chunks = {(tier, found[0]): size_of[shard] for tier, where in located.items()
+                  for shard, found in where.items() if found is not None}
         unchecked: dict[str, list[tuple[str, object]]] = {}
         for tier, chunk_key in chunks:
             memo = (tier, chunk_key)
@@ -188,7 +209,7 @@ class SchedulerSide:
         for tier, pending in unchecked.items():
             headers = self.shared.describe(tier, [chunk_key for chunk_key, _ in pending])
             for (chunk_key, identity), header in zip(pending, headers):
-                good = header is not None and header.signature == self.signature
+                good = header is not None and header.signature == self.signatures[chunks[(tier, chunk_key)]]
                 self._checked[(tier, chunk_key)] = (identity, tuple(header.block_keys) if good else None)
                 self._checked.move_to_end((tier, chunk_key))
         while len(self._checked) > CHECKED_CHUNKS:
@@ -279,12 +300,12 @@ class SchedulerSide:
 
     def update_connector_output(self, worker_meta: KVLabWorkerMeta | None) -> None:
         self._unpin()
-        if self.signature is None:
+        if self.signatures is None:
             self._waits += 1
         if worker_meta is None:
             return
-        if worker_meta.signature is not None and self.signature is None:
-            self.signature = worker_meta.signature
+        if worker_meta.signatures and self.signatures is None:
+            self.signatures = dict(worker_meta.signatures)
         for chunk_key, workers in worker_meta.stored.items():
             if self.memory is not None:
                 self.memory.acknowledge(chunk_key, workers)

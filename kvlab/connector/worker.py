@@ -21,11 +21,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.cache.allocation import KVCache, view_parts
+from kvlab.cache.geometry import ModelGeometry
 from kvlab.connector.config import ConnectorConfig
 from kvlab.connector.errors import Errors
 from kvlab.connector.failures import FailureRules
 from kvlab.connector.messages import KVLabMetadata, KVLabWorkerMeta, LoadSpec, SaveSpec
 from kvlab.connector.registration import copy_method, cross_layer_decision, runs_per_block, tensor_parallel_rank
+from kvlab.connector.shards import ShardRead, shard_reads, writer_sizes
 from kvlab.connector.stores import ConnectorStats, worker_store
 from kvlab.connector.weights import watch_weight_loads, weights_epoch
 from kvlab.store.chunk import Chunk, Header, Placement
@@ -34,6 +36,8 @@ from kvlab.store.keys import signature
 from kvlab.transfer.common import in_callers_mode
 from kvlab.transfer.engine import Transfer, host_buffer, run_all
 from kvlab.transfer.layerwise import LayerwiseLoad
+from kvlab.transfer.plan import HeadSlice
+from kvlab.transfer.registry import get_method
 
 logger = logging.getLogger("kvlab.connector")
 
@@ -54,8 +58,10 @@ class LayerSave:
 
 
 class WorkerSide:
-    def __init__(self, config: ConnectorConfig, stats: ConnectorStats, engine_id: str | None = None) -> None:
+    def __init__(self, config: ConnectorConfig, stats: ConnectorStats, engine_id: str | None = None,
+                 kv_heads: int | None = None) -> None:
         self.config = config
+        self.kv_heads = kv_heads  # the model's, every rank's together (None: not split by head)
         self.stats = stats
         self.engine_id = engine_id
         watch_weight_loads()
@@ -64,6 +70,7 @@ class WorkerSide:
         self.cache: KVCache | None = None
         self.method: str | None = None  # the copy method, chosen for the cache when it is registered
         self.signature: str | None = None
+        self.signatures: dict[int, str] = {}  # of the chunks it reads, by the tensor-parallel size that stored them
         self.failures = FailureRules()  # what a failed load means for what is stored
         self.errors = Errors(config.strict, lambda: self.store.faults)  # logged, or raised in strict mode
         self._reported_signature = False
@@ -90,6 +97,9 @@ class WorkerSide:
             self._copy_workers = len(os.sched_getaffinity(0))
         self._layer_index = {name: i for i, name in enumerate(cache.layers)}
         self.signature = signature(cache)
+        sliced = self.kv_heads if get_method(self.method).plan_runs and cache.geometry.quant is None else None
+        self.signatures = {size: self.signature if size == self.workers else signature(cache, sliced // size)
+                           for size in writer_sizes(sliced, self.workers)}
         self.stats.layout = cache.layout.name
         logger.info("KVLabConnector: rank %d of %d registered a %s cache of %d blocks of %d tokens (%s, copied with %s); "
                     "tiers %s; %s", self.rank, self.workers, cache.layout.name, cache.num_blocks,
@@ -132,63 +142,75 @@ class WorkerSide:
     def _start_loads(self, loads: list[LoadSpec]) -> None:
         sources = []
         for spec in loads:
-            for chunk, positions, block_ids in self._by_chunk(spec):
+            failed: set[int] = set()  # a block of a shard that could not load is recomputed whole
+            for chunk, positions, block_ids, heads in self._by_chunk(spec):
                 if chunk is None:
                     self.failures.load_failed(spec.req_id, block_ids)
                     self.stats.load_errors += 1
+                    failed.update(block_ids)
                     continue
                 delivered = isinstance(chunk, Header)
                 if not delivered:
-                    sources.append((chunk.buffer, positions, block_ids))
-                self.stats.loaded_blocks += len(block_ids)
+                    sources.append((chunk.buffer, positions, block_ids, heads))
                 self.stats.load_segments += self._segments(len(block_ids), self.config.layerwise,
-                                                           chunk.layout if delivered else chunk.buffer.layout.name)
+                                                           chunk.layout if delivered else chunk.buffer.layout.name,
+                                                           None if delivered else chunk.buffer.geometry, heads)
+            self.stats.loaded_blocks += len(set(spec.block_ids) - failed)
         if self.config.layerwise and sources:  # one copy thread (or stream) for the step, layer by layer
             self._loads.append(LayerwiseLoad.from_sources(self.cache, sources, self.method).start())
         elif sources:
             start = time.perf_counter()
-            run_all([Transfer(buffer, positions, self.cache, block_ids, self.method)
-                     for buffer, positions, block_ids in sources], self._copy_workers)
+            run_all([Transfer(buffer, positions, self.cache, block_ids, self.method, heads=heads)
+                     for buffer, positions, block_ids, heads in sources], self._copy_workers)
             self.stats.load_work_seconds += time.perf_counter() - start
 
-    def _by_chunk(self, spec: LoadSpec) -> list[tuple[Chunk | Header | None, list[int], list[int]]]:
+    def _by_chunk(self, spec: LoadSpec) -> list[tuple[Chunk | Header | None, list[int], list[int], HeadSlice | None]]:
         """The step's sources grouped by chunk, each fetched (and checked) once: its checked
-        header where a file tier read it into the cache (whole-step loads: layerwise ones copy
-        per layer)."""
-        groups: list[tuple[tuple[str, str], list[int], list[int], list[str]]] = []
+        header where a file tier read it into the cache (whole-step loads of this engine's
+        tensor-parallel size: layerwise ones copy per layer), with the heads to take from it
+        when another size stored it (kvlab.connector.shards: one shard sliced, or several
+        gathered)."""
+        Group = tuple[str, str, tuple[int, int], HeadSlice | None]  # tier, chunk key, its shard, heads taken
+        groups: dict[Group, tuple[list[int], list[int], list[str]]] = {}
         for source, block_id in zip(spec.sources, spec.block_ids):
-            ident = (source.tier, source.chunk_keys[self.rank])
-            if not groups or groups[-1][0] != ident:
-                groups.append((ident, [], [], []))
-            groups[-1][1].append(source.position)
-            groups[-1][2].append(block_id)
-            groups[-1][3].append(source.block_key)
+            writers = len(source.chunk_keys)
+            reads = [ShardRead(self.rank, None)] if writers == self.workers else \
+                shard_reads(self.kv_heads, self.rank, self.workers, writers)
+            for read in reads:
+                positions, block_ids, keys = groups.setdefault(
+                    (source.tier, source.chunk_keys[read.shard], (read.shard, writers), read.heads), ([], [], []))
+                positions.append(source.position)
+                block_ids.append(block_id)
+                keys.append(source.block_key)
+        spans: list[tuple[float, float]] = []  # each read into the cache's start and end: the copy's span
 
-        reads: list[tuple[float, float]] = []  # each read into the cache's start and end: the copy's span
-
-        def fetch(group: tuple[tuple[str, str], list[int], list[int], list[str]]) -> Chunk | Header | None:
-            (tier, chunk_key), positions, block_ids, keys = group
+        def fetch(item: tuple[Group, tuple[list[int], list[int], list[str]]]) -> Chunk | Header | None:
+            (tier, chunk_key, shard, heads), (positions, block_ids, keys) = item
             began = time.perf_counter()
-            found = self._fetch(tier, chunk_key, dict(zip(positions, keys)),
-                                None if self.config.layerwise else Placement(self.cache, positions, block_ids))
-            reads.extend([(began, time.perf_counter())] if isinstance(found, Header) else [])
+            into = None if self.config.layerwise or heads else Placement(self.cache, positions, block_ids)
+            found = self._fetch(tier, chunk_key, dict(zip(positions, keys)), into, shard)
+            spans.extend([(began, time.perf_counter())] if isinstance(found, Header) else [])
             return found
 
         # fetched tail first (each read marks its chunk used, so a prompt's head outlives its tail),
         # two at a time: one chunk's checksum runs while the next one's bytes arrive
-        chunks = list(self._fetchers.map(fetch, reversed(groups)))
-        self.stats.load_work_seconds += max((e for _, e in reads), default=0) - min((b for b, _ in reads), default=0)
-        return [(chunk, positions, block_ids) for chunk, (_, positions, block_ids, _) in zip(chunks[::-1], groups)]
+        items = list(groups.items())
+        chunks = list(self._fetchers.map(fetch, reversed(items)))
+        self.stats.load_work_seconds += max((e for _, e in spans), default=0) - min((b for b, _ in spans), default=0)
+        return [(chunk, positions, block_ids, heads)
+                for chunk, ((_, _, _, heads), (positions, block_ids, _)) in zip(chunks[::-1], items)]
 
     def _fetch(self, tier: str, chunk_key: str, expect: dict[int, str] | None = None,
-               into: Placement | None = None) -> Chunk | Header | None:
+               into: Placement | None = None, shard: tuple[int, int] | None = None) -> Chunk | Header | None:
         """The chunk from the tier the scheduler named, else from the next shared tier that
-        holds it, checked by the store: of this cache, holding at each position the block
-        ``expect`` names there (this worker's shard of it in a shared tier); its checked header
-        when a tier read it straight into the blocks ``into`` names; None when no tier can.
-        Every tier that could not is reported, so the scheduler stops routing loads there
-        (and forgets a memory chunk that failed its check everywhere)."""
-        found = self.store.fetch(chunk_key, self.signature, tier=tier, shard=(self.rank, self.workers),
+        holds it, checked by the store: of this cache (or of the ``shard`` (rank, ranks) of
+        the same model's KV that another tensor-parallel size stored), holding at each
+        position the block ``expect`` names there (that shard of it in a shared tier); its
+        checked header when a tier read it straight into the blocks ``into`` names; None when
+        no tier can. Every tier that could not is reported, so the scheduler stops routing
+        loads there (and forgets a memory chunk that failed its check everywhere)."""
+        shard = shard or (self.rank, self.workers)
+        found = self.store.fetch(chunk_key, self.signatures[shard[1]], tier=tier, shard=shard,
                                  blocks={position: key for position, key in (expect or {}).items() if key}, into=into)
         with self._lock:
             self.stats.fallback_loads += found.tier is not None and found.tier != tier
@@ -206,12 +228,16 @@ class WorkerSide:
             self.failures.load_failed(spec.req_id, spec.block_ids)
         self.stats.load_errors += 1
 
-    def _segments(self, blocks: int, per_layer: bool, stored_as: str | None = None) -> int:
+    def _segments(self, blocks: int, per_layer: bool, stored_as: str | None = None,
+                  stored_geometry: ModelGeometry | None = None, heads: HeadSlice | None = None) -> int:
         """Contiguous runs that moving ``blocks`` scattered blocks between the cache and a
-        buffer of its own layout (or ``stored_as``: a chunk another layout stored) takes, all
-        layers at once or layer by layer: what a one-copy-per-run engine would issue."""
+        buffer of its own layout (or ``stored_as``: a chunk another layout stored; of
+        ``stored_geometry``, ``heads`` taken from it: a shard another tensor-parallel size
+        stored) takes, all layers at once or layer by layer: what a one-copy-per-run engine
+        would issue."""
         cache = self.cache
-        return blocks * runs_per_block(cache.layout.name, cache.geometry, cache.num_blocks, per_layer, stored_as)
+        return blocks * runs_per_block(cache.layout.name, cache.geometry, cache.num_blocks, per_layer, stored_as,
+                                       stored_geometry, heads)
 
     def wait_for_layer_load(self, layer_name: str, meta: KVLabMetadata | None) -> None:
         if not self._loads:
@@ -386,9 +412,9 @@ class WorkerSide:
         with self._lock:
             stored, self._stored = self._stored, Counter()
         failed, load_failed, missed = self.failures.take_reports()
-        meta = KVLabWorkerMeta(stored, failed, self.signature if not self._reported_signature else None,
+        meta = KVLabWorkerMeta(stored, failed, self.signatures if not self._reported_signature else None,
                                load_failed, missed)
-        self._reported_signature = self._reported_signature or meta.signature is not None
+        self._reported_signature = self._reported_signature or meta.signatures is not None
         return meta if meta else None
 
     def flush(self) -> None:

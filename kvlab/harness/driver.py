@@ -45,6 +45,7 @@ def stand_in_config(geometry: ModelGeometry, extra: dict | None = None, model: s
     model = SimpleNamespace(
         model=model or f"/models/{geometry.name}", dtype=geometry.dtype, use_mla=geometry.is_mla,
         get_num_kv_heads=lambda parallel: geometry.num_kv_heads, get_head_size=lambda: geometry.head_size,
+        get_total_num_kv_heads=lambda: geometry.num_kv_heads * workers,
         get_num_layers=lambda parallel: geometry.num_layers,
         hf_text_config=SimpleNamespace(kv_lora_rank=geometry.kv_lora_rank, qk_rope_head_dim=geometry.qk_rope_head_dim),
     )

@@ -53,13 +53,15 @@ def shard_key(key: str, rank: int, workers: int) -> str:
     return hashlib.blake2b(f"{key}|shard {rank} of {workers}".encode(), digest_size=16).hexdigest()
 
 
-def signature(cache: KVCache) -> str:
+def signature(cache: KVCache, num_kv_heads: int | None = None) -> str:
     """What a chunk must match to be loaded into ``cache``: the model's geometry, dtype and
     block size. Not the cache's layout: a load moves each layer's K and V by token and head
     from the chunk's layout into the cache's (kvlab.transfer.plan), so engines of any two
     layouts share one store. A quantized cache's rows carry their scales as its layout packs
-    them, so its chunks name the layout and load only into it."""
-    g = cache.geometry
+    them, so its chunks name the layout and load only into it. ``num_kv_heads``: the
+    signature of the same model's chunk holding that many heads (a shard stored at another
+    tensor-parallel size)."""
+    g = cache.geometry if num_kv_heads is None else cache.geometry.with_(num_kv_heads=num_kv_heads)
     mla = f"|MLA{g.kv_lora_rank}+{g.qk_rope_head_dim}" if g.is_mla else ""
     quant = f"|{g.quant.name}|{cache.layout.name}" if g.quant else ""  # rows of another format may have the same size
     return f"{g.name}|L{g.num_layers}|H{g.num_kv_heads}|D{g.head_size}{mla}|{dtype_name(g.dtype)}|BS{g.block_size}{quant}"

@@ -14,7 +14,7 @@ import kvlab.transfer.methods  # noqa: F401  (registers every copy method)
 from kvlab.transfer.common import copy_stream
 from kvlab.transfer.engine import Transfer, chunk_buffer, host_buffer, load, offload, run_all
 from kvlab.transfer.layerwise import LayerwiseLoad
-from kvlab.transfer.plan import CopyPlan, copy_plan, part_views
+from kvlab.transfer.plan import CopyPlan, HeadSlice, copy_plan, part_views
 from kvlab.transfer.registry import (
     ALL_METHODS,
     METHODS,
@@ -29,7 +29,7 @@ from kvlab.transfer.registry import (
 )
 
 __all__ = [
-    "ALL_METHODS", "METHODS", "PEERS", "CopyMethod", "CopyPlan", "LayerwiseLoad", "Transfer", "available_methods", "chunk_buffer",
+    "ALL_METHODS", "METHODS", "PEERS", "CopyMethod", "CopyPlan", "HeadSlice", "LayerwiseLoad", "Transfer", "available_methods", "chunk_buffer",
     "copy_plan", "copy_stream", "get_method", "host_buffer", "load", "method_colours", "method_status", "offload",
     "part_views", "register", "run_all", "unregister",
 ]

@@ -18,7 +18,7 @@ from kvlab.cache.allocation import KVCache, allocate, allocate_chunk
 from kvlab.cache.geometry import ModelGeometry
 from kvlab.cache.segments import check_block_ids
 from kvlab.transfer.common import copy_stream, device_of, in_callers_mode, shared_memory
-from kvlab.transfer.plan import CopyPlan, copy_plan
+from kvlab.transfer.plan import CopyPlan, HeadSlice, copy_plan
 from kvlab.transfer.registry import get_method, method_status
 
 T = TypeVar("T")
@@ -81,7 +81,8 @@ class Transfer:
     """Copy blocks ``src_blocks`` of ``src`` into ``dst_blocks`` of ``dst`` with ``method``.
 
     ``dst_blocks`` defaults to 0, 1, ... (a packed buffer). ``layers`` restricts the copy
-    to some layers (layerwise loading). ``run()`` issues the copy; on an accelerator it
+    to some layers (layerwise loading); ``heads`` to some kv heads, between two
+    tensor-parallel shards of one model's cache (a chunk stored at another size). ``run()`` issues the copy; on an accelerator it
     goes on a dedicated copy stream and, unless ``blocking``, returns at once (``wait()``
     blocks until it is done). A Transfer can be run again, e.g. to time it.
     """
@@ -94,12 +95,18 @@ class Transfer:
     layers: Sequence[int] | None = None
     blocking: bool = True
     staging: bool | None = None  # gather/compiled across devices: stage on the accelerator
+    heads: HeadSlice | None = None
     _event: object = field(default=None, init=False, repr=False)
     _prepared: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         src, dst = self.src, self.dst
-        if not _same_kv(src.geometry, dst.geometry):
+        if self.heads is not None:
+            self.heads.check(src.geometry, dst.geometry)
+            if not get_method(self.method).plan_runs:
+                raise ValueError(f"method {self.method!r} copies whole heads; the heads of one tensor-parallel shard "
+                                 f"move with a method that copies the plan's runs, e.g. memcpy or segments")
+        elif not _same_kv(src.geometry, dst.geometry):
             raise ValueError(
                 f"source and destination hold different KV: {src.geometry.describe()} vs {dst.geometry.describe()}"
             )
@@ -177,7 +184,7 @@ class Transfer:
 
     @functools.cached_property
     def plan(self) -> CopyPlan:
-        return copy_plan(self.src, self.src_blocks, self.dst, self.dst_blocks, self.layers)
+        return copy_plan(self.src, self.src_blocks, self.dst, self.dst_blocks, self.layers, self.heads)
 
     def run_table(self) -> list[torch.Tensor]:
         """The plan's runs as contiguous int64 columns (source address, destination address,
@@ -186,9 +193,11 @@ class Transfer:
 
     @property
     def nbytes(self) -> int:
-        """Bytes moved: whole pages of the chosen layers (known without building the plan)."""
-        layers = self.src.geometry.num_layers if self.layers is None else len(self.layers)
-        return len(self.src_blocks) * layers * self.src.geometry.page_bytes
+        """Bytes moved: whole pages of the chosen layers and heads (known without building the plan)."""
+        g = self.src.geometry
+        layers = g.num_layers if self.layers is None else len(self.layers)
+        page = g.page_bytes if self.heads is None else g.page_bytes // g.num_kv_heads * self.heads.count
+        return len(self.src_blocks) * layers * page
 
     def run(self) -> Transfer:
         """Issue the copy (and wait for it if ``blocking``)."""

@@ -11,6 +11,9 @@ from typing import Sequence
 from kvlab.cache.allocation import KVCache
 from kvlab.transfer.common import in_callers_mode
 from kvlab.transfer.engine import Transfer
+from kvlab.transfer.plan import HeadSlice
+
+Source = tuple[KVCache, Sequence[int], Sequence[int], HeadSlice | None]  # buffer, its blocks, cache blocks, heads
 
 
 class LayerwiseLoad:
@@ -27,22 +30,22 @@ class LayerwiseLoad:
     def __init__(self, buffer: KVCache, cache: KVCache, block_ids: Sequence[int],
                  buffer_blocks: Sequence[int] | None = None, method: str = "gather") -> None:
         buffer_blocks = list(range(len(block_ids))) if buffer_blocks is None else buffer_blocks
-        self._setup(cache, [(buffer, buffer_blocks, block_ids)], method)
+        self._setup(cache, [(buffer, buffer_blocks, block_ids, None)], method)
 
     @classmethod
-    def from_sources(cls, cache: KVCache, sources: Sequence[tuple[KVCache, Sequence[int], Sequence[int]]],
-                     method: str = "gather") -> LayerwiseLoad:
+    def from_sources(cls, cache: KVCache, sources: Sequence[Source], method: str = "gather") -> LayerwiseLoad:
         """One layerwise load from several buffers, each given as (buffer, buffer blocks,
-        cache blocks): layer i of every source lands before layer i + 1 of any."""
+        cache blocks, heads: None, or the heads of a shard another tensor-parallel size
+        stored): layer i of every source lands before layer i + 1 of any."""
         load = cls.__new__(cls)
         load._setup(cache, sources, method)
         return load
 
-    def _setup(self, cache: KVCache, sources: Sequence[tuple[KVCache, Sequence[int], Sequence[int]]],
-               method: str) -> None:
+    def _setup(self, cache: KVCache, sources: Sequence[Source], method: str) -> None:
         self.transfers = [
-            [Transfer(buffer, list(buffer_blocks), cache, list(block_ids), method, layers=[i], blocking=False)
-             for buffer, buffer_blocks, block_ids in sources]
+            [Transfer(buffer, list(buffer_blocks), cache, list(block_ids), method, layers=[i], blocking=False,
+                      heads=heads)
+             for buffer, buffer_blocks, block_ids, heads in sources]
             for i in range(cache.geometry.num_layers)
         ]
         self._done = [threading.Event() for _ in self.transfers]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -47,6 +47,32 @@ def part_views(layout: str | Layout, geometry: ModelGeometry, num_blocks: int) -
                     index, offset, (stride["B"], stride["N"], stride["H"]), geometry.parts[part]
                 )
     return out  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class HeadSlice:
+    """The kv heads a copy moves between two tensor-parallel shards of one model's cache
+    (each rank holds a range of the heads; a chunk stored at another tensor-parallel size
+    holds another range): ``count`` heads from head ``src_start`` of the source into head
+    ``dst_start`` of the destination."""
+
+    src_start: int
+    dst_start: int
+    count: int
+
+    def check(self, src: ModelGeometry, dst: ModelGeometry) -> None:
+        """Raise unless the two caches are shards of one model's KV that hold these heads."""
+        if replace(src, name="", num_kv_heads=1) != replace(dst, name="", num_kv_heads=1):
+            raise ValueError(f"source and destination are not shards of one model's KV: "
+                             f"{src.describe()} vs {dst.describe()}")
+        if src.is_mla or src.quant is not None:
+            raise ValueError("an MLA latent is the same on every rank and a quantized row packs its scales: "
+                             "neither is copied by head")
+        if self.count < 1 or min(self.src_start, self.dst_start) < 0 \
+                or self.src_start + self.count > src.num_kv_heads or self.dst_start + self.count > dst.num_kv_heads:
+            raise ValueError(f"heads {self.src_start}..{self.src_start + self.count - 1} of {src.num_kv_heads} "
+                             f"into heads {self.dst_start}..{self.dst_start + self.count - 1} of "
+                             f"{dst.num_kv_heads}: out of range")
 
 
 @dataclass(frozen=True)
@@ -94,36 +120,33 @@ class CopyPlan:
 
 
 def copy_plan(
-    src: KVCache, src_blocks: Sequence[int], dst: KVCache, dst_blocks: Sequence[int], layers: Sequence[int] | None = None
+    src: KVCache, src_blocks: Sequence[int], dst: KVCache, dst_blocks: Sequence[int], layers: Sequence[int] | None = None,
+    heads: HeadSlice | None = None,
 ) -> CopyPlan:
-    """Byte runs that copy blocks ``src_blocks`` of ``src`` to ``dst_blocks`` of ``dst``: one
+    """Byte runs that copy blocks ``src_blocks`` of ``src`` to ``dst_blocks`` of ``dst`` (the
+    ``heads`` of one tensor-parallel shard into another's; every head by default): one
     block's runs (:func:`_block_runs`, worked out once per pair of layouts and shapes) moved
     to each block pair, then merged across blocks."""
-    src_t, src_o, dst_t, dst_o, length = block_runs(src, src_blocks, dst, dst_blocks, layers)
+    src_t, src_o, dst_t, dst_o, length = block_runs(src, src_blocks, dst, dst_blocks, layers, heads)
     if not length.numel():
         return CopyPlan(src_t, src_o, dst_t, dst_o, length)
     ((src_t, src_o), (dst_t, dst_o)), merged = merge_runs([(src_t, src_o), (dst_t, dst_o)], length)
     return CopyPlan(src_t, src_o, dst_t, dst_o, merged)
 
 
-def block_run_addresses(src: KVCache, src_blocks: Sequence[int], dst: KVCache, dst_blocks: Sequence[int],
-                        layers: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Source addresses, destination addresses and lengths of the copy, each block's runs
-    apart (not merged across blocks): a batch copy takes a few more runs for a plan that
-    costs a few tensor operations (a connector's load of a chunk, planned once and run once)."""
-    return batch_run_addresses([(src, src_blocks, dst, dst_blocks, layers)])
+Copy = tuple[KVCache, Sequence[int], KVCache, Sequence[int], Sequence[int] | None, HeadSlice | None]
 
 
-def batch_run_addresses(copies: Sequence[tuple[KVCache, Sequence[int], KVCache, Sequence[int], Sequence[int] | None]]
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`block_run_addresses` of every (src, src_blocks, dst, dst_blocks, layers) in
-    order, one after another, worked out together for copies that differ only in their
-    buffers and destination blocks (a connector's load of several chunks of one shape): a
-    few tensor operations for the batch, not a few per chunk."""
+def batch_run_addresses(copies: Sequence[Copy]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Source addresses, destination addresses and lengths of every (src, src_blocks, dst,
+    dst_blocks, layers, heads) copy in order, each block's runs apart (not merged across
+    blocks: a batch copy takes a few more runs for a plan that costs a few tensor
+    operations), worked out together for copies that differ only in their buffers and
+    destination blocks (a connector's load of several chunks of one shape): a few tensor
+    operations for the batch, not a few per chunk."""
     groups: dict[tuple, list[int]] = {}
-    for i, (src, src_blocks, dst, dst_blocks, layers) in enumerate(copies):
-        shape = (src.layout.name, src.num_blocks, dst.layout.name, dst.num_blocks, src.geometry,
-                 None if layers is None else tuple(layers), tuple(src_blocks), len(dst_blocks))
+    for i, (src, src_blocks, dst, dst_blocks, layers, heads) in enumerate(copies):
+        shape = (*_pair(src, dst, layers, heads), tuple(src_blocks), len(dst_blocks))
         groups.setdefault(shape, []).append(i)
     parts: list[tuple[torch.Tensor, ...]] = [()] * len(copies)
     for (*pair, src_blocks, _), members in groups.items():
@@ -140,14 +163,19 @@ def batch_run_addresses(copies: Sequence[tuple[KVCache, Sequence[int], KVCache, 
 
 
 def block_runs(src: KVCache, src_blocks: Sequence[int], dst: KVCache, dst_blocks: Sequence[int],
-               layers: Sequence[int] | None = None) -> tuple[torch.Tensor, ...]:
+               layers: Sequence[int] | None = None, heads: HeadSlice | None = None) -> tuple[torch.Tensor, ...]:
     """The columns of :class:`CopyPlan` for every block pair, block 0's runs moved by each
     pair's block strides, not merged across blocks: a few tensor operations, no storage
     read (``src`` may be a meta-device cache that only describes a layout)."""
-    pair = (src.layout.name, src.num_blocks, dst.layout.name, dst.num_blocks, src.geometry,
-            None if layers is None else tuple(layers))
-    src_t, src_o, dst_t, dst_o, length = _moved_runs(pair, tuple(src_blocks), [dst_blocks])
+    src_t, src_o, dst_t, dst_o, length = _moved_runs(_pair(src, dst, layers, heads), tuple(src_blocks), [dst_blocks])
     return src_t, src_o, dst_t, dst_o[0], length
+
+
+def _pair(src: KVCache, dst: KVCache, layers: Sequence[int] | None, heads: HeadSlice | None) -> tuple:
+    """What decides one block's runs (:func:`_block_runs`' arguments): both layouts and
+    shapes, the layers, the heads."""
+    return (src.layout.name, src.num_blocks, dst.layout.name, dst.num_blocks, src.geometry,
+            None if layers is None else tuple(layers), dst.geometry, heads)
 
 
 def _moved_runs(pair: tuple, src_blocks: tuple[int, ...], dst_rows: list[Sequence[int]]) -> tuple[torch.Tensor, ...]:
@@ -168,14 +196,17 @@ def _moved_runs(pair: tuple, src_blocks: tuple[int, ...], dst_rows: list[Sequenc
 
 @functools.lru_cache(maxsize=256)
 def _block_runs(src_layout: str, src_num_blocks: int, dst_layout: str, dst_num_blocks: int, geometry: ModelGeometry,
-                layers: tuple[int, ...] | None) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
-    """The merged runs that copy block 0 of a source to block 0 of a destination, and each
-    backing tensor's block stride in bytes on either side: block b's runs are block 0's
-    moved by b strides (a tensor's block stride is the same for all its layers and parts,
-    so runs that merge in one block merge in every block)."""
+                layers: tuple[int, ...] | None, dst_geometry: ModelGeometry, heads: HeadSlice | None
+                ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
+    """The merged runs that copy block 0 of a source to block 0 of a destination (every
+    head, or the ``heads`` of one shard into another's), and each backing tensor's block
+    stride in bytes on either side: block b's runs are block 0's moved by b strides (a
+    tensor's block stride is the same for all its layers and parts, so runs that merge in
+    one block merge in every block)."""
     itemsize = geometry.itemsize
     src_views = part_views(src_layout, geometry, src_num_blocks)
-    dst_views = part_views(dst_layout, geometry, dst_num_blocks)
+    dst_views = part_views(dst_layout, dst_geometry, dst_num_blocks)
+    heads = heads or HeadSlice(0, 0, geometry.num_kv_heads)
     steps = []
     for views in (src_views, dst_views):
         step: dict[int, int] = {}
@@ -184,14 +215,14 @@ def _block_runs(src_layout: str, src_num_blocks: int, dst_layout: str, dst_num_b
                 step[view.tensor] = view.strides[0] * itemsize
         steps.append(torch.tensor([step.get(i, 0) for i in range(max(step, default=-1) + 1)], dtype=torch.int64))
     tokens = torch.arange(geometry.block_size)
-    heads = torch.arange(geometry.num_kv_heads)
+    moved = torch.arange(heads.count)
     columns: list[list[torch.Tensor]] = [[], [], [], [], []]
     for layer in range(geometry.num_layers) if layers is None else layers:
         for s, d in zip(src_views[layer], dst_views[layer]):
             grid = []
-            for view in (s, d):
+            for view, start in ((s, heads.src_start), (d, heads.dst_start)):
                 _, n, h = view.strides
-                grid.append((view.offset + tokens[:, None] * n + heads[None, :] * h).flatten() * itemsize)
+                grid.append((view.offset + tokens[:, None] * n + (start + moved[None, :]) * h).flatten() * itemsize)
             count = grid[0].numel()
             columns[0].append(torch.full((count,), s.tensor))
             columns[1].append(grid[0])

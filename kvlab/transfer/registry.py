@@ -36,6 +36,9 @@ class CopyMethod:
     rank: int = 100  # position in tables and figures
     # where method="auto" (the connector's default) tries it, lowest first; None: "auto" never picks it
     preference: int | None = None
+    # it moves the copy plan's runs (kvlab.transfer.plan), so it copies any plan: also the
+    # heads of one tensor-parallel shard into another's (a chunk stored at another size)
+    plan_runs: bool = False
 
     @property
     def legend(self) -> str:

@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from logical_kv import kv_bytes, random_bits
 
 pytest.importorskip("vllm")
 
@@ -86,6 +87,62 @@ def test_tensor_parallel_ranks_keep_their_own_shards(tmp_path):
     scheduler, fresh = engine({**extra, "tiers": ["shm"]}, workers=2)
     shards[0].unlink()  # one rank lost its shard: the block is a miss for every rank
     assert prefill(scheduler, fresh, "d", PROMPT, [15, 16, 17, 18, 19])["hit_tokens"] == 0
+
+
+WHOLE = ModelGeometry("tp-model", 3, 4, 16, torch.float32, 16)  # 4 kv heads: TP 1, 2 and 4 split them
+
+
+def sized_engine(extra: dict, workers: int, layout: str, seed: int):
+    """An engine of ``workers`` tensor-parallel ranks of WHOLE, each rank's cache of its own
+    random bytes, in ``layout``."""
+    rank = WHOLE.with_(num_kv_heads=WHOLE.num_kv_heads // workers)
+    scheduler, group = connector_group(rank, NUM_BLOCKS, extra, workers=workers)
+    for index, worker in enumerate(group):
+        register(worker, f"vllm>=0.29 {layout}", rank, NUM_BLOCKS)
+        random_bits(worker.cache, seed=seed + index)
+    settle(scheduler, group)
+    return scheduler, group
+
+
+def model_kv(group, block_ids: list[int]) -> torch.Tensor:
+    """The blocks' KV of the whole model, every rank's heads side by side, as bytes
+    [layer, block, token, head, content] (tests/logical_kv.py: read whatever the layout)."""
+    return torch.cat([kv_bytes(worker.cache)[:, block_ids] for worker in group], dim=3)
+
+
+@pytest.mark.parametrize("tier, layerwise", [("disk", False), ("disk", True), ("shm", False), ("redis", False)])
+def test_engines_of_other_tensor_parallel_sizes_share_one_store(request, tmp_path, tier, layerwise):
+    """What a TP=1 engine stored, TP=2 and TP=4 engines (another layout too) load, each rank
+    its own heads sliced out of the one shard; what a TP=2 engine stored, a TP=1 engine
+    loads by gathering both shards and a TP=4 one by slicing them: every head of every
+    layer and token bitwise where the writer had it, and nothing stored twice. A shard
+    gone is a miss for every rank of another size."""
+    shared = request.getfixturevalue("redis_server").extra() if tier == "redis" else \
+        {"tiers": ["memory", tier], tier: {"path": str(tmp_path / tier)}}
+    extra = {**shared, "chunk_size": 2 * BS, "layerwise": layerwise}
+    written, read = [3, 11, 5, 20, 8], [9, 2, 23, 6, 15]
+    for size, readers, prompt in ((1, (2, 4), PROMPT), (2, (1, 4), [t + 500 for t in PROMPT])):
+        reset_stores()
+        scheduler, writer = sized_engine({**extra, "store_name": f"writer-{size}"}, size, "CPU_LBHNC", seed=10)
+        assert prefill(scheduler, writer, f"w{size}", prompt, written, layerwise)["hit_tokens"] == 0
+        stored = sorted((tmp_path / tier).iterdir()) if tier != "redis" else None
+        for workers in readers:
+            reset_stores()
+            scheduler, group = sized_engine({**extra, "store_name": f"reader-{workers}"}, workers,
+                                            "BLHNC" if workers == 2 else "CPU_LBHNC", seed=99)
+            hit = prefill(scheduler, group, f"r{size}-{workers}", prompt, read, layerwise)["hit_tokens"]
+            assert hit == 4 * BS, (size, workers)
+            assert all(worker.stats.load_errors == 0 for worker in group)
+            assert torch.equal(model_kv(group, read[:4]), model_kv(writer, written[:4])), (size, workers)
+            if stored is not None:
+                assert sorted((tmp_path / tier).iterdir()) == stored, "a hit of another size is not stored again"
+    if tier == "disk":  # one of the TP=2 writer's shards gone: a TP=1 reader misses, never loads half
+        reset_stores()
+        last = [t + 500 for t in PROMPT]
+        chunk = max((tmp_path / tier).iterdir(), key=lambda path: path.stat().st_mtime_ns)
+        chunk.unlink()
+        scheduler, group = sized_engine({**extra, "store_name": "reader-after"}, 1, "CPU_LBHNC", seed=7)
+        assert prefill(scheduler, group, "gone", last, read, layerwise)["hit_tokens"] < 4 * BS
 
 
 def test_a_block_still_being_stored_is_waited_for_not_recomputed(monkeypatch):

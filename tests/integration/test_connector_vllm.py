@@ -16,6 +16,7 @@ from conftest import bitwise, hits, loadable, prepared, within_split_drift
 
 pytest.importorskip("vllm")
 
+from kvlab.harness.compare import SPLIT_DRIFT, same_outputs  # noqa: E402
 from kvlab.harness.engine import EngineSpec, run_engine  # noqa: E402
 from kvlab.runtime.models import TINY_LLAMA, model_path  # noqa: E402
 from kvlab.runtime.mooncake import MooncakeStore  # noqa: E402
@@ -97,6 +98,35 @@ def test_tensor_parallel_ranks_store_their_shards_and_a_failed_load_is_recompute
     assert all(r["load_errors"] > 0 and r["store"]["corrupt"] > 0 for r in ranks), "zeroed chunks failed the check"
     # every block failed, so vLLM recomputed each prompt whole: the cold run's split, bitwise
     assert bitwise(result, result, "cold", "warm-zeroed"), "recomputed, not loaded"
+
+
+def test_engines_of_two_tensor_parallel_sizes_share_one_disk_folder(tmp_path: Path) -> None:
+    """A TP=1 and a TP=2 engine of one model share a disk folder both ways (the tiny Llama's
+    2 kv heads: SmolLM2-135M's 3 split over no 2 ranks): each rank of a TP=2 engine loads its
+    head out of what TP=1 stored, and a TP=1 engine gathers both ranks' shards of what TP=2
+    stored; every loadable block, no load error. TP changes the order of reductions, so not
+    bitwise: the tokens are each size's own, and every chosen-token logprob is within the gap
+    vLLM itself shows between TP=1 and TP=2 on these prompts (neither hit), plus the split
+    drift of a hit's suffix-only prefill (kvlab.harness.compare.SPLIT_DRIFT)."""
+    model = str(model_path(prepared(TINY_LLAMA)))
+    prompts = [list(range(5, 205)), list(range(300, 470))]
+
+    def engine(workers: int, folder: str) -> dict:
+        extra = {"tiers": ["memory", "disk"], "disk": {"path": str(tmp_path / folder)}}
+        return run_engine(EngineSpec(model, "kvlab", extra, dtype="float32", max_tokens=8,
+                                     tensor_parallel_size=workers, phases=("cold",)), prompts)
+
+    alone = {1: engine(1, "by-tp1"), 2: engine(2, "by-tp2")}  # first sight: nothing to hit
+    shared = {2: engine(2, "by-tp1"), 1: engine(1, "by-tp2")}  # each reads the other size's folder
+    assert hits(alone[1], "cold") == hits(alone[2], "cold") == [0, 0]
+    gap = same_outputs(alone[1], alone[2], "cold", "cold")["max_logprob_diff"]
+    for workers, result in shared.items():
+        assert hits(result, "cold") == loadable(prompts), workers
+        assert all(rank["default"]["load_errors"] == 0 for rank in result["ranks"]), workers
+        for size, reference in alone.items():
+            agreement = same_outputs(reference, result, "cold", "cold")
+            assert agreement["identical"] == len(prompts), (workers, size)
+            assert agreement["max_logprob_diff"] <= gap + SPLIT_DRIFT, (workers, size, agreement, gap)
 
 
 ARCHITECTURE_PROMPTS = [list(range(5, 205)), list(range(300, 470))]

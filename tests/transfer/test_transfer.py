@@ -29,6 +29,7 @@ from kvlab.cache import (
     scattered_block_ids,
 )
 from kvlab.transfer import (
+    HeadSlice,
     LayerwiseLoad,
     Transfer,
     chunk_buffer,
@@ -153,6 +154,51 @@ def test_a_copy_between_two_paged_layouts_converts_bit_exact(mla, data):
         Transfer(src, ids, dst, into, method).run()
         assert_same_blocks(src, ids, dst, into)
         assert_other_blocks(dst, into)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_a_head_slice_moves_one_shards_heads_into_another_bit_exact(data):
+    """The kv heads of one tensor-parallel shard copied into another's (a chunk a TP=1 engine
+    stored, loaded by a rank of a TP=2 engine, or the reverse), between any two paged
+    layouts: each head lands at its place bitwise in every layer, token and part, and no
+    other head or block of the destination changes."""
+    source, target = data.draw(st.sampled_from(KV_LAYOUTS)), data.draw(st.sampled_from(KV_LAYOUTS))
+    whole = data.draw(geometries(False)).with_(num_kv_heads=data.draw(st.sampled_from([2, 4, 6])))
+    src_heads, dst_heads = (data.draw(st.sampled_from([h for h in (1, 2, 3, 4, 6) if whole.num_kv_heads % h == 0]))
+                            for _ in range(2))
+    count = data.draw(st.integers(1, min(src_heads, dst_heads)))
+    heads = HeadSlice(data.draw(st.integers(0, src_heads - count)), data.draw(st.integers(0, dst_heads - count)), count)
+    src = random_bits(allocate(source, whole.with_(num_kv_heads=src_heads), 5), data.draw(st.integers(0, 2**16)))
+    ids = data.draw(block_id_sets(5))
+    into = data.draw(st.permutations(range(6)))[:len(ids)]
+    for method in ("segments", "memcpy"):
+        dst = random_bits(allocate(target, whole.with_(num_kv_heads=dst_heads), 6), seed=3)
+        before = kv_bytes(dst)
+        moved = Transfer(src, ids, dst, into, method, heads=heads).run()
+        after, expected = kv_bytes(dst), before.clone()
+        expected[:, into, :, heads.dst_start:heads.dst_start + count] = \
+            kv_bytes(src)[:, ids, :, heads.src_start:heads.src_start + count]
+        assert torch.equal(after, expected), (source, target, heads, method)
+        assert moved.nbytes == moved.plan.nbytes == expected[:, into, :, :count].numel()
+
+
+def test_a_head_slice_is_refused_where_it_cannot_be_right():
+    """Heads past either shard's end, caches of two models, an MLA latent (the same on every
+    rank) and a method that copies whole heads each get a clear error, before any byte moves."""
+    two, one = allocate("LBHNC", KV, 2), allocate("LBHNC", KV.with_(num_kv_heads=1), 2)
+    with pytest.raises(ValueError, match="heads 1..2 of 2 into heads 0..1 of 1: out of range"):
+        Transfer(two, [0], one, [0], "memcpy", heads=HeadSlice(1, 0, 2))
+    with pytest.raises(ValueError, match="not shards of one model's KV"):
+        Transfer(two, [0], allocate("LBHNC", KV.with_(num_kv_heads=1, head_size=16), 2), [0], "memcpy",
+                 heads=HeadSlice(0, 0, 1))
+    mla = allocate("LBHNC", MLA, 2)
+    with pytest.raises(ValueError, match="MLA latent is the same on every rank"):
+        Transfer(mla, [0], allocate("LBHNC", MLA, 2), [0], "memcpy", heads=HeadSlice(0, 0, 1))
+    with pytest.raises(ValueError, match="'gather' copies whole heads"):
+        Transfer(two, [0], one, [0], "gather", heads=HeadSlice(1, 0, 1))
+    with pytest.raises(ValueError, match="hold different KV"):
+        Transfer(two, [0], one, [0], "memcpy")
 
 
 @pytest.mark.skipif(not FP8, reason="this torch has no float8_e4m3fn")
@@ -666,25 +712,25 @@ def test_a_batch_of_copies_is_planned_as_each_alone():
     from kvlab.transfer.plan import batch_run_addresses
 
     cache, other = _kv_cache("LBHNC", num_blocks=12), _kv_cache("BLHNC", num_blocks=12)
-    copies = [(_kv_cache("LBHNC", num_blocks=3), [0, 1, 2], cache, [7, 2, 9], None),
-              (_kv_cache("BLHNC", num_blocks=2), [1, 0], other, [4, 11], None),
-              (_kv_cache("LBHNC", num_blocks=3), [0, 1, 2], cache, [0, 5, 3], None),
-              (_kv_cache("LBHNC", num_blocks=3), [2], cache, [6], None),
-              (_kv_cache("LBHNC", num_blocks=3), [0, 1, 2], cache, [4, 8, 1], [1]),
-              (_kv_cache("BLHNC", num_blocks=2), [1, 0], other, [8, 1], None)]
+    copies = [(_kv_cache("LBHNC", num_blocks=3), [0, 1, 2], cache, [7, 2, 9], None, None),
+              (_kv_cache("BLHNC", num_blocks=2), [1, 0], other, [4, 11], None, None),
+              (_kv_cache("LBHNC", num_blocks=3), [0, 1, 2], cache, [0, 5, 3], None, None),
+              (_kv_cache("LBHNC", num_blocks=3), [2], cache, [6], None, None),
+              (_kv_cache("LBHNC", num_blocks=3), [0, 1, 2], cache, [4, 8, 1], [1], None),
+              (_kv_cache("BLHNC", num_blocks=2), [1, 0], other, [8, 1], None, None)]
     alone = [torch.cat(column) for column in zip(*(_addresses_alone(*copy) for copy in copies))]
     together = batch_run_addresses(copies)
     assert len(together) == 3 and all(torch.equal(a, b) for a, b in zip(alone, together))
     assert all(column.numel() == 0 for column in batch_run_addresses([]))
     with pytest.raises(ValueError, match="each source block to one destination block"):
-        batch_run_addresses([(_kv_cache("LBHNC", num_blocks=3), [0, 1, 2], cache, [7, 2], None)])
+        batch_run_addresses([(_kv_cache("LBHNC", num_blocks=3), [0, 1, 2], cache, [7, 2], None, None)])
 
 
-def _addresses_alone(src, src_blocks, dst, dst_blocks, layers):
+def _addresses_alone(src, src_blocks, dst, dst_blocks, layers, heads):
     """One copy's runs from block_runs and the tensors' addresses, with no batching."""
     from kvlab.transfer.plan import block_runs
 
-    src_t, src_o, dst_t, dst_o, length = block_runs(src, src_blocks, dst, dst_blocks, layers)
+    src_t, src_o, dst_t, dst_o, length = block_runs(src, src_blocks, dst, dst_blocks, layers, heads)
     src_base = torch.tensor([x.data_ptr() for x in src.storage], dtype=torch.int64)
     dst_base = torch.tensor([x.data_ptr() for x in dst.storage], dtype=torch.int64)
     return src_base[src_t] + src_o, dst_base[dst_t] + dst_o, length

@@ -77,4 +77,5 @@ def unavailable(src: KVCache, dst: KVCache) -> str | None:
     return None
 
 
-register(CopyMethod("compiled", copy_compiled, colour="#009E73", unavailable=unavailable, rank=30))
+register(CopyMethod("compiled", copy_compiled, colour="#009E73", unavailable=unavailable, rank=30,
+                    plan_runs=True))

@@ -95,4 +95,4 @@ def copy_dma(t: Transfer) -> None:
         raise RuntimeError(f"cudaMemcpyBatchAsync of {count} runs failed: {library.cudaGetErrorString(status).decode()}")
 
 
-register(CopyMethod("dma", copy_dma, colour="#F0E442", unavailable=unavailable, rank=45))
+register(CopyMethod("dma", copy_dma, colour="#F0E442", unavailable=unavailable, rank=45, plan_runs=True))

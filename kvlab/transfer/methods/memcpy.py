@@ -55,7 +55,8 @@ def copy_many(transfers: list[Transfer], workers: int) -> None:
     """Every run of every transfer in one call, each planned block by block without merging
     (a connector's load: each chunk is planned once and copied once): no thread started per
     chunk, no plan merged that is used once."""
-    src, dst, length = batch_run_addresses([(t.src, t.src_blocks, t.dst, t.dst_blocks, t.layers) for t in transfers])
+    src, dst, length = batch_run_addresses([(t.src, t.src_blocks, t.dst, t.dst_blocks, t.layers, t.heads)
+                                             for t in transfers])
     if length.numel():
         copy_addresses(src, dst, length, threads=max(workers, torch.get_num_threads()))
 
@@ -70,4 +71,4 @@ def unavailable(src: KVCache, dst: KVCache) -> str | None:
 # method="auto" tries it first: one C call per transfer moves batched runs at the memory's pace
 # (0.89-1.01 of the copy ceiling in notebook 02 on this project's CPUs), host memory only
 register(CopyMethod("memcpy", copy_memcpy, colour="#CC79A7", unavailable=unavailable, rank=15, run_many=copy_many,
-                    preference=10))
+                    preference=10, plan_runs=True))

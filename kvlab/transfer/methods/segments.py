@@ -21,4 +21,4 @@ def copy_segments(t: Transfer) -> None:
         dst[dt][do:do + n].copy_(src[st][so:so + n], non_blocking=non_blocking)
 
 
-register(CopyMethod("segments", copy_segments, colour="#D55E00", rank=10))
+register(CopyMethod("segments", copy_segments, colour="#D55E00", rank=10, plan_runs=True))

@@ -38,4 +38,4 @@ def unavailable(src: KVCache, dst: KVCache) -> str | None:
     return f"triton kernels need a CUDA device (or TRITON_INTERPRET=1 on the CPU), not {where}"
 
 
-register(CopyMethod("triton", copy_triton, colour="#56B4E9", unavailable=unavailable, rank=40))
+register(CopyMethod("triton", copy_triton, colour="#56B4E9", unavailable=unavailable, rank=40, plan_runs=True))

@@ -34,4 +34,5 @@ def copy_vllm(t: Transfer) -> None:
     ops.swap_blocks_batch(*t.plan.addresses(t.src.storage, t.dst.storage), t.plan.length.clone())
 
 
-register(CopyMethod("vllm", copy_vllm, colour="#000000", unavailable=unavailable, peer=True, rank=60))
+register(CopyMethod("vllm", copy_vllm, colour="#000000", unavailable=unavailable, peer=True, rank=60,
+                    plan_runs=True))
