@@ -33,7 +33,8 @@ from kvlab.runtime.progress import progress
 from kvlab.transfer.common import copy_stream
 from kvlab.transfer.engine import Transfer, chunk_buffer, host_buffer
 from kvlab.transfer.methods.memcpy import copy_addresses, native_library
-from kvlab.transfer.registry import ALL_METHODS, method_status
+from kvlab.transfer.plan import HeadSlice
+from kvlab.transfer.registry import ALL_METHODS, get_method, method_status
 
 DIRECTIONS = ("offload", "load")
 MAX_SEGMENTS = 65536  # the segments method beyond this takes seconds per call: recorded, not timed
@@ -68,7 +69,10 @@ def ceiling_copy(nbytes: int, direction: str, device: torch.device, native: bool
 class Config:
     """One measured configuration. ``target`` is ``"host"`` (a host buffer in the cache's
     layout), an LMCache chunk format, or another paged layout (a host buffer in that layout:
-    a chunk an engine of that layout stored, converted as it moves)."""
+    a chunk an engine of that layout stored, converted as it moves). With ``ranks`` > 1 the
+    buffer is one of so many tensor-parallel shards of the cache's heads: loaded, a chunk a
+    rank of that size stored, gathered into this cache's first heads; offloaded, the heads a
+    rank of that size slices out of a chunk of every head (kvlab.connector.shards)."""
 
     geometry: ModelGeometry
     layout: str
@@ -77,10 +81,15 @@ class Config:
     tokens: int
     block_ids: str = "scattered"
     target: str = "host"
+    ranks: int = 1
 
     def __post_init__(self) -> None:
         if get_layout(self.layout).is_chunk_format:
             raise ValueError(f"{self.layout} is an LMCache chunk format, not a paged cache: use it as a target")
+        if isinstance(self.ranks, bool) or not isinstance(self.ranks, int) or self.ranks < 1 \
+                or self.geometry.num_kv_heads % self.ranks or (self.ranks > 1 and self.geometry.is_mla):
+            raise ValueError(f"ranks must split {self.geometry.name}'s {self.geometry.num_kv_heads} kv heads evenly "
+                             f"(and an MLA latent not at all), got {self.ranks!r}")
         if self.target == self.layout or (self.target != "host" and self.target not in LAYOUTS):
             raise ValueError(f"target must be 'host', an LMCache chunk format or another layout than the cache's "
                              f"{self.layout}, not {self.target!r}")
@@ -120,7 +129,13 @@ class Config:
             "tokens": self.tokens,
             "block_ids": self.block_ids,
             "target": self.target,
+            "ranks": self.ranks,
         }
+
+    @property
+    def heads(self) -> HeadSlice | None:
+        """The heads moved between the cache and a shard buffer (the cache's first ones)."""
+        return HeadSlice(0, 0, self.geometry.num_kv_heads // self.ranks) if self.ranks > 1 else None
 
 
 class Setup:
@@ -133,10 +148,12 @@ class Setup:
         self.cache = allocate(config.layout, g, config.cache_blocks, device, fill="empty")
         for i, t in enumerate(self.cache.storage):  # touch every page: untouched memory copies unfairly fast
             t.view(torch.uint8).fill_(17 + i % 100)
-        if config.target == "host":
+        shard = g.with_(num_kv_heads=g.num_kv_heads // config.ranks)
+        if config.target == "host" and config.ranks == 1:
             self.buffer = host_buffer(self.cache, blocks)
-        elif not get_layout(config.target).is_chunk_format:
-            self.buffer = allocate(config.target, g, blocks, "cpu", pin_memory=device.type != "cpu")
+        elif not get_layout(config.target if config.target != "host" else config.layout).is_chunk_format:
+            self.buffer = allocate(config.target if config.target != "host" else config.layout, shard, blocks, "cpu",
+                                   pin_memory=device.type != "cpu")
         else:
             self.buffer = chunk_buffer(self.cache, config.target, blocks * g.block_size)
         self.ids = ids
@@ -153,7 +170,7 @@ def measure(config: Config, device: torch.device, repeats: int, setup: Setup) ->
         return {**row, "status": f"unavailable: {problem}"}
     src_ids, dst_ids = (setup.ids, None) if config.direction == "offload" else (list(range(len(setup.ids))), setup.ids)
     started = time.perf_counter()
-    transfer = Transfer(src, src_ids, dst, dst_ids, config.method, blocking=device.type == "cpu")
+    transfer = Transfer(src, src_ids, dst, dst_ids, config.method, blocking=device.type == "cpu", heads=config.heads)
     plan = transfer.plan
     plan_s = time.perf_counter() - started
     if config.method == "segments" and plan.segments > MAX_SEGMENTS:
@@ -242,7 +259,10 @@ PROFILES: dict[str, dict[str, Any]] = {
                     "layouts": ["CPU_LBHNC", "CPU_BLHNC", "LBHNC", "BLHNC", "LBNHC"],
                     "methods": ["memcpy", "gather"], "repeats": 15, "chunks": False, "block_ids": ["scattered"],
                     "conversions": [("CPU_BLHNC", "CPU_LBHNC"), ("CPU_LBHNC", "CPU_BLHNC"), ("BLHNC", "LBHNC"),
-                                    ("LBHNC", "BLHNC"), ("LBHNC", "LBNHC"), ("LBNHC", "LBHNC")]},
+                                    ("LBHNC", "BLHNC"), ("LBHNC", "LBNHC"), ("LBNHC", "LBHNC")],
+                    # engines of two tensor-parallel sizes: (cache layout, stored layout, ranks) of a model whose
+                    # heads split so: half of Llama's 8 heads into or out of a TP=2 shard
+                    "shards": [("CPU_LBHNC", "host", 2), ("CPU_BLHNC", "CPU_LBHNC", 2)]},
     # scripts/device-check's dry run on a CPU (DEVICE=cpu): every code path, seconds
     "dry": {"models": ["smollm2-135m", "deepseek-v2-lite"], "tokens": [32],
             "layouts": ["LBHNC", "LHBNC", "ascend_kv_tuple", "BLHNC"], "methods": ALL_METHODS, "repeats": 3,
@@ -268,7 +288,8 @@ def check_profile(profile: dict[str, Any]) -> None:
         raise ValueError(f"a profile needs {list(_PROFILE_KEYS)}; this one lacks {missing}")
     if any(isinstance(t, bool) or not isinstance(t, int) or t <= 0 for t in profile["tokens"]):
         raise ValueError(f"tokens must be positive, got {profile['tokens']}")
-    for layout in [*profile["layouts"], *(name for pair in profile.get("conversions", []) for name in pair)]:
+    shards = [name for layout, stored, _ in profile.get("shards", []) for name in (layout, stored) if name != "host"]
+    for layout in [*profile["layouts"], *(name for pair in profile.get("conversions", []) for name in pair), *shards]:
         get_layout(layout)
     check_methods(profile["methods"])
 
@@ -297,6 +318,12 @@ def configs(profile: dict[str, Any], dtype: str | None = None, block_size: int =
                 for method in profile["methods"]:
                     for direction in DIRECTIONS:
                         out.append(Config(geometry, layout, method, direction, count, "scattered", stored))
+            for layout, stored, ranks in profile.get("shards", []):  # where the model's heads split so
+                if geometry.is_mla or geometry.num_kv_heads % ranks:
+                    continue
+                for method in (m for m in profile["methods"] if get_method(m).plan_runs):
+                    for direction in DIRECTIONS:
+                        out.append(Config(geometry, layout, method, direction, count, "scattered", stored, ranks))
             if profile.get("chunks") and count <= 1024:
                 paged, chunk = ("mla_v0.12", "KV_MLA_FMT") if geometry.is_mla else ("flash_attn_v0.12", "KV_2LTD")
                 for source in (paged, "BLHNC"):
@@ -323,7 +350,7 @@ def run_sweep(configurations: Sequence[Config], device: str | torch.device = "au
     rows = []
     setups: dict[tuple, Setup] = {}
     for config in progress(configurations, "transfer sweep", leave=False):
-        key = (config.geometry, config.layout, config.tokens, config.block_ids, config.target)
+        key = (config.geometry, config.layout, config.tokens, config.block_ids, config.target, config.ranks)
         if key not in setups:
             setups.clear()  # one set of caches at a time: memory stays bounded
             setups[key] = Setup(config, device, seed)
@@ -333,12 +360,18 @@ def run_sweep(configurations: Sequence[Config], device: str | torch.device = "au
     return rows
 
 
+def _target(row: dict[str, Any]) -> str:
+    """The buffer a row moved to or from: "host", a layout or chunk format, "/p" for one of p
+    tensor-parallel shards of the cache's heads."""
+    return row["target"] + (f"/{row['ranks']}" if row.get("ranks", 1) > 1 else "")
+
+
 def format_rows(rows: Sequence[dict[str, Any]]) -> str:
     """A readable table of sweep rows."""
     lines = [f"{'model':34s} {'layout':18s} {'blocks':10s} {'target':10s} {'method':9s} {'dir':7s} {'tokens':>6s} "
              f"{'segments':>8s} {'GB/s':>7s} {'ceiling':>7s} {'ratio':>6s} {'quartiles':>11s}"]
     for r in rows:
-        head = (f"{r['model'][-34:]:34s} {r['layout']:18s} {r['block_ids']:10s} {r['target']:10s} {r['method']:9s} "
+        head = (f"{r['model'][-34:]:34s} {r['layout']:18s} {r['block_ids']:10s} {_target(r):10s} {r['method']:9s} "
                 f"{r['direction']:7s} {r['tokens']:6d}")
         if r["status"] != "ok":
             lines.append(f"{head} {r['status'][:70]}")

@@ -81,6 +81,25 @@ def test_a_conversion_row_times_a_cache_against_a_buffer_of_another_layout():
     assert rows["CPU_LBHNC"]["segments"] > rows["host"]["segments"]  # a page per layer and head, not a run per block
 
 
+def test_a_shard_row_times_the_heads_of_one_tensor_parallel_rank():
+    """The conversions profile's shard rows move the heads of one TP shard between a cache of
+    every head and a buffer of that shard (Llama's 8 heads in 2: SmolLM2's 3 do not split), with
+    the methods that copy a head slice; a row moves exactly the shard's bytes, every head of the
+    buffer landing where the plan says (loaded, then offloaded back into a zeroed buffer)."""
+    configs = [c for c in bench.configs(bench.PROFILES["conversions"]) if c.ranks > 1]
+    assert {(c.geometry.name, c.layout, c.target, c.ranks) for c in configs} == {
+        ("meta-llama/Llama-3.1-8B-Instruct", layout, target, 2) for layout, target, _ in bench.PROFILES["conversions"]["shards"]}
+    assert {c.method for c in configs} == {"memcpy"}, "gather copies whole heads"
+    cpu = bench.resolve_device("cpu")
+    config = bench.Config(SMALL.with_(num_kv_heads=4), "CPU_BLHNC", "memcpy", "load", 64, target="CPU_LBHNC", ranks=2)
+    setup = bench.Setup(config, cpu, 0)
+    assert setup.buffer.geometry.num_kv_heads == 2 and setup.buffer.layout.name == "CPU_LBHNC"
+    row = bench.measure(config, cpu, 3, setup)
+    assert row["status"] == "ok" and row["ranks"] == 2 and row["bytes"] == 64 * SMALL.with_(num_kv_heads=2).token_bytes
+    with pytest.raises(ValueError, match="ranks must split"):
+        bench.Config(SMALL.with_(num_kv_heads=3), "CPU_LBHNC", "memcpy", "load", 64, ranks=2)
+
+
 def _synthetic_rows(per_segment, bandwidth, method="segments"):
     rows = []
     for segments, nbytes in [(16, 1 << 20), (512, 1 << 22), (2048, 1 << 24), (64, 1 << 26), (8192, 1 << 25)]:

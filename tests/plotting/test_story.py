@@ -278,6 +278,9 @@ def test_the_conversions_table_judges_each_pair_by_its_worse_direction():
     assert "0.95 (0.94–0.96) `memcpy`, 0.90 of STREAM" in met and "0.97 (0.96–0.98) `memcpy`" in met
     assert met.endswith("| met | missed (0.88) |"), "the offload reached 0.88 of the STREAM copy"
     assert next(line for line in lines if "LBHNC ← LBNHC" in line).endswith("| missed | missed (0.55) |")
+    shards = [{**row("CPU_LBHNC", "host", d, "memcpy", 0.96), "ranks": 2} for d in ("load", "offload")]
+    shard = next(line for line in str(conversions_table(rows + shards)).splitlines() if "TP shards" in line)
+    assert "CPU_LBHNC ← CPU_LBHNC, one of 2 TP shards" in shard and shard.endswith("| met | met |")
     with pytest.raises(ValueError, match="no conversion rows"):
         conversions_table(rows[:2])
 

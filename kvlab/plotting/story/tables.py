@@ -94,34 +94,38 @@ def ceiling_table(rows: Any) -> Prose:
 
 
 def conversions_table(rows: Any) -> Prose:
-    """Engines of other layouts sharing one store: each (cache layout, stored layout) pair's
-    best method in each direction, median share of the same-run ceiling, beside the cache's
-    copy into its own layout, judged against CONVERSION_TARGET by the worse direction."""
+    """Engines of other layouts or tensor-parallel sizes sharing one store: each (cache
+    layout, stored layout, shards) case's best method in each direction, median share of the
+    same-run ceiling, beside the cache's copy into its own layout, judged against
+    CONVERSION_TARGET by the worse direction."""
     rows = [r for r in as_records(rows) if r.get("status") == "ok" and number(r.get("ratio"))]
     best: dict[tuple, dict] = {}
     for r in rows:
-        key = (r["model"], r["tokens"], r["layout"], r["target"], r["direction"])
+        key = (r["model"], r["tokens"], r["layout"], r["target"], r.get("ranks", 1), r["direction"])
         if key not in best or r["ratio"] > best[key]["ratio"]:
             best[key] = r
-    pairs = list(dict.fromkeys(key[:4] for key in best if key[3] != "host"))
+    pairs = list(dict.fromkeys(key[:5] for key in best if key[3] != "host" or key[4] > 1))
     if not pairs:
         raise ValueError("no conversion rows (kvlab bench --profile conversions)")
     body, loads = [], {True: [], False: []}  # converted loads by whether their runs are whole pages
-    for model, tokens, layout, stored in pairs:
-        load, offload = (best.get((model, tokens, layout, stored, d)) for d in ("load", "offload"))
+    for model, tokens, layout, stored, ranks in pairs:
+        load, offload = (best.get((model, tokens, layout, stored, ranks, d)) for d in ("load", "offload"))
         if load and number(load.get("native_ratio")):
             loads[load["mean_segment_bytes"] >= PAGE_BYTES].append(load["native_ratio"])
-        own = [best.get((model, tokens, layout, "host", d)) for d in ("load", "offload")]
+        own = [best.get((model, tokens, layout, "host", 1, d)) for d in ("load", "offload")]
         moved = [r for r in (load, offload) if r]
         worse = min(moved, key=lambda r: r["ratio"])
         streams = [r["native_ratio"] for r in moved if number(r.get("native_ratio"))]
         physical = "" if not streams else "met" if min(streams) >= CONVERSION_TARGET else f"missed ({min(streams):.2f})"
-        body.append([model_name(model), f"{tokens:,}", f"{layout} ← {stored}",
+        shard = "" if ranks == 1 else f", one of {ranks} TP shards"
+        body.append([model_name(model), f"{tokens:,}", f"{layout} ← {layout if stored == 'host' else stored}{shard}",
                      f"{load['segments']:,} × {human_bytes(load['mean_segment_bytes'])}" if load else "",
                      *(_best_cell(r) for r in (load, own[0], offload, own[1])), _verdict(worse, CONVERSION_TARGET),
                      physical])
     table = captioned(f"A cache's scattered blocks copied from (load) and into (offload) a host buffer of another "
-                     f"layout, the best method's median share of the same-run copy ceiling (interquartile range over "
+                     f"layout or holding one tensor-parallel shard of its heads (loaded: gathered into the cache's "
+                     f"heads; offloaded: the heads a rank slices out of a chunk of every head), the best method's "
+                     f"median share of the same-run copy ceiling (interquartile range over "
                      f"{span(r.get('repeats', 1) for r in rows)} repeats) and of the STREAM-style copy, beside the "
                      f"cache's copy to and from its own layout; judged by the worse direction against "
                      f"{CONVERSION_TARGET:.2f} of the ceiling, and of the STREAM-style copy (its median)",
