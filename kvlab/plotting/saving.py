@@ -5,6 +5,7 @@ caption and alt text (kvlab.plotting.report puts them on the page)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -79,6 +80,22 @@ def shown_in_a_notebook() -> bool:
     return get_ipython() is not None and "inline" in matplotlib.get_backend()
 
 
+# matplotlib names an SVG's clip paths and markers by a hash of their coordinates as floats,
+# whose last bits differ between CPUs (another SIMD width, another rounding) where the
+# drawing does not: "p" or "m" and ten hex digits.
+_HASHED_ID = re.compile(r'id="([pm][0-9a-f]{10})"')
+
+
+def number_svg_ids(path: Path) -> None:
+    """Rename the SVG's hashed clip-path and marker ids by order of appearance, so the same
+    drawing gives the same bytes on every machine."""
+    text = path.read_text()
+    names = {old: f"{old[0]}{index}" for index, old in enumerate(dict.fromkeys(_HASHED_ID.findall(text)))}
+    if names:
+        text = re.sub("|".join(names), lambda match: names[match.group(0)], text)
+        path.write_text(text)
+
+
 def save_figure(fig: plt.Figure, name: str, figures_dir: str | Path, formats: Sequence[str] = FORMATS,
                 source: Iterable[dict] | None = None, compares_machines: bool = False) -> list[Path]:
     """Save ``fig`` as ``figures_dir/name.{png,svg,pdf}`` (PNG for reading, SVG and PDF for
@@ -114,6 +131,8 @@ def save_figure(fig: plt.Figure, name: str, figures_dir: str | Path, formats: Se
         with plt.rc_context(SAVE_RC):
             fig.savefig(path, dpi=300, bbox_inches="tight", pad_inches=0.03,
                         metadata={"svg": {"Date": None}, "pdf": {"CreationDate": None}}.get(fmt))
+        if fmt == "svg":
+            number_svg_ids(path)
         paths.append(path)
     if shown_in_a_notebook():
         from IPython.display import display

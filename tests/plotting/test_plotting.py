@@ -51,6 +51,23 @@ def test_saved_figures_are_reproducible(tmp_path):
     assert first == second
 
 
+def test_an_svg_is_the_same_bytes_where_a_cpu_rounds_a_coordinate_otherwise(tmp_path):
+    """A drawing whose clip box differs in a float's last bits (another CPU's rounding of the
+    same layout) saves the same SVG: matplotlib hashes those floats into its ids."""
+    import matplotlib.pyplot as plt
+
+    saved = []
+    for nudge in (0.0, 1e-13):
+        fig, ax = plt.subplots()
+        ax.plot([0, 1], [0, 1], marker="o")
+        ax.set_position([0.125 + nudge, 0.11, 0.775, 0.77])
+        (path,) = save_figure(fig, f"nudged-{nudge}", tmp_path, ("svg",))
+        saved.append(path.read_text())
+        plt.close(fig)
+    assert saved[0] == saved[1]
+    assert 'id="p' in saved[0] and 'clip-path="url(#p' in saved[0], "the clip path is still named and used"
+
+
 def test_atlas_draws_every_layout():
     from kvlab.cache import LAYOUTS, Holds
     from kvlab.plotting import atlas
