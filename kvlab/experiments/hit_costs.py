@@ -187,7 +187,7 @@ def _store_prompt(extra: dict, prompt: list[int]) -> str:
     scheduler, worker = _engine(extra, connector_pair)
     blocks = len(prompt) // SCALE_GEOMETRY.block_size + 1
     prefill(scheduler, worker, "seed", prompt, list(range(blocks)))
-    return scheduler.scheduler.signature
+    return worker.worker.signature
 
 
 def _engine(extra: dict, connector_pair: Any) -> tuple[Any, Any]:
