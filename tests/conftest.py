@@ -211,6 +211,11 @@ def within_split_drift(a: dict, b: dict, phase_a: str, phase_b: str) -> bool:
     return same_outputs(a, b, phase_a, phase_b)["max_gap_through_divergence"] <= SPLIT_DRIFT
 
 
+# The shared tiers served by a real server, and the fixture that starts each (its .extra() is the
+# connector's settings for it).
+SHARED_SERVERS = {"redis": "redis_server", "redis-cluster": "redis_cluster", "mooncake": "mooncake_store"}
+
+
 @pytest.fixture
 def redis_server(tmp_path: Path):
     """A real ``redis-server`` on 127.0.0.1 (kvlab.runtime.redis), stopped after the test.

@@ -14,10 +14,11 @@ from kvlab.transfer.plan import HeadSlice
 @dataclass(frozen=True)
 class ShardRead:
     """What one rank takes from one writer's shard of a chunk: the writer's rank and which
-    of its heads go where in the reader's cache."""
+    of its heads go where in the reader's cache (None: a shard of the reader's own size,
+    every head where it lies)."""
 
     shard: int
-    heads: HeadSlice
+    heads: HeadSlice | None
 
 
 def writer_sizes(total_heads: int | None, workers: int) -> list[int]:

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import SHARED_SERVERS
 from logical_kv import assert_same_blocks, random_bits
 
 pytest.importorskip("vllm")
@@ -194,9 +195,6 @@ def test_longer_prompt_reuses_the_shared_prefix() -> None:
     assert run_step(scheduler, worker, "b", prefix + list(range(900, 900 + 2 * BS)), list(range(6, 14)), False) == 5 * BS
 
 
-SERVERS = {"redis": "redis_server", "redis-cluster": "redis_cluster", "mooncake": "mooncake_store"}
-
-
 @pytest.mark.parametrize("tier, layerwise", [("disk", False), ("disk", True), ("shm", False), ("redis", False),
                                              ("redis-cluster", False), ("mooncake", False)])
 def test_engines_of_other_layouts_share_one_store(request, tmp_path, tier: str, layerwise: bool) -> None:
@@ -205,8 +203,8 @@ def test_engines_of_other_layouts_share_one_store(request, tmp_path, tier: str, 
     converted into their own layout with every layer's K and V of every token and head
     bitwise the writer's (read through address_labels, not the copy's own views). A chunk of
     another model of the same shape stays a miss, and the writer still hits its own."""
-    if tier in SERVERS:
-        shared = request.getfixturevalue(SERVERS[tier]).extra()
+    if tier in SHARED_SERVERS:
+        shared = request.getfixturevalue(SHARED_SERVERS[tier]).extra()
     else:
         shared = {"tiers": ["memory", tier], tier: {"path": str(tmp_path / tier)}}
     shared.update({"chunk_size": 3 * BS, "layerwise": layerwise})

@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from conftest import SHARED_SERVERS
 from logical_kv import kv_bytes, random_bits
 
 pytest.importorskip("vllm")
@@ -110,9 +111,6 @@ def model_kv(group, block_ids: list[int]) -> torch.Tensor:
     return torch.cat([kv_bytes(worker.cache)[:, block_ids] for worker in group], dim=3)
 
 
-SERVERS = {"redis": "redis_server", "redis-cluster": "redis_cluster", "mooncake": "mooncake_store"}
-
-
 @pytest.mark.parametrize("tier, layerwise", [("disk", False), ("disk", True), ("shm", False), ("redis", False),
                                              ("redis-cluster", False), ("mooncake", False)])
 def test_engines_of_other_tensor_parallel_sizes_share_one_store(request, tmp_path, tier, layerwise):
@@ -121,7 +119,7 @@ def test_engines_of_other_tensor_parallel_sizes_share_one_store(request, tmp_pat
     loads by gathering both shards and a TP=4 one by slicing them: every head of every
     layer and token bitwise where the writer had it, and nothing stored twice. A shard
     gone is a miss for every rank of another size."""
-    shared = request.getfixturevalue(SERVERS[tier]).extra() if tier in SERVERS else \
+    shared = request.getfixturevalue(SHARED_SERVERS[tier]).extra() if tier in SHARED_SERVERS else \
         {"tiers": ["memory", tier], tier: {"path": str(tmp_path / tier)}}
     extra = {**shared, "chunk_size": 2 * BS, "layerwise": layerwise}
     written, read = [3, 11, 5, 20, 8], [9, 2, 23, 6, 15]
@@ -129,7 +127,7 @@ def test_engines_of_other_tensor_parallel_sizes_share_one_store(request, tmp_pat
         reset_stores()
         scheduler, writer = sized_engine({**extra, "store_name": f"writer-{size}"}, size, "CPU_LBHNC", seed=10)
         assert prefill(scheduler, writer, f"w{size}", prompt, written, layerwise)["hit_tokens"] == 0
-        stored = sorted((tmp_path / tier).iterdir()) if tier not in SERVERS else None
+        stored = sorted((tmp_path / tier).iterdir()) if tier not in SHARED_SERVERS else None
         for workers in readers:
             reset_stores()
             scheduler, group = sized_engine({**extra, "store_name": f"reader-{workers}"}, workers,
