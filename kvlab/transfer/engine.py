@@ -82,9 +82,10 @@ class Transfer:
 
     ``dst_blocks`` defaults to 0, 1, ... (a packed buffer). ``layers`` restricts the copy
     to some layers (layerwise loading); ``heads`` to some kv heads, between two
-    tensor-parallel shards of one model's cache (a chunk stored at another size). ``run()`` issues the copy; on an accelerator it
-    goes on a dedicated copy stream and, unless ``blocking``, returns at once (``wait()``
-    blocks until it is done). A Transfer can be run again, e.g. to time it.
+    tensor-parallel shards of one model's cache (a chunk stored at another size).
+    ``run()`` issues the copy; on an accelerator it goes on a dedicated copy stream and,
+    unless ``blocking``, returns at once (``wait()`` blocks until it is done). A Transfer
+    can be run again, e.g. to time it.
     """
 
     src: KVCache
