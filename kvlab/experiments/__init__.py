@@ -22,6 +22,8 @@ The connector in vLLM:
 - registration: per-layer against cross-layer hand-over, as each vLLM release registers it;
 - deployed: the connector in vLLM's own processes (``vllm serve``, tensor parallel, sharing);
 - hit_costs: where a hit's time goes, lookups against stored chunks, Redis against its pace;
+- engine_sharing: engines of two layouts sharing one store, in time to first token;
+- tier_reads: where a hit from a file tier (shm, disk) spends its time, part by part;
 - scaling: how costs grow with prompt length and concurrent requests;
 - load_test: many clients and injected faults through ``vllm serve``.
 

@@ -34,6 +34,19 @@ def test_layouts_sharing_times_each_layout_s_hit_of_its_own_and_of_the_other_s_c
         hit_costs.overhead_profile(TINY, tokens=128, repeats=1, stored_as="CPU_BLHNC")
 
 
+def test_engines_sharing_a_store_take_one_prompt_per_writer_of_one_length(tmp_path) -> None:
+    """Each writer layout stores a prompt of its own, and both readers hit prompts of the same
+    bytes: other counts or lengths are refused before any engine starts."""
+    from kvlab.experiments.engine_sharing import engines_sharing_a_store
+
+    (tmp_path / "config.json").write_text("{}")
+    for prompts in ([[1] * 64], [[1] * 64, [2] * 96], [[1] * 64] * 3):
+        with pytest.raises(ValueError, match="prompts of one length"):
+            engines_sharing_a_store(str(tmp_path), prompts)
+    with pytest.raises(ValueError, match="repeats must be at least 1"):
+        engines_sharing_a_store(str(tmp_path), [[1] * 64, [2] * 64], repeats=0)
+
+
 def test_a_measurement_without_an_auth_key_drops_only_that_advice(caplog) -> None:
     """A profile through a remote tier runs without an auth_key on purpose: the connector's
     advice to deployments is not printed into a notebook, and every other warning still is."""

@@ -258,6 +258,32 @@ def test_the_tier_reads_table_compares_the_two_reads_within_their_spread():
     assert "this run cannot tell a read from disk straight into the cache from the buffered read" in close.lower()
 
 
+def _sharing_rows(own_ms: float, converted_ms: float, identical: int = 1, pairs: int = 9) -> list[dict]:
+    meta = {"tier": "shm", "cached_tokens": 1984, "kv_bytes": 45_711_360, "samples": pairs, "floor_s": 0.09,
+            "hardware": "cpu: Test (2 cores)", "profile": "paper", "run_date": "2026-12-07"}
+
+    def row(reader, stored, ms):
+        samples = [(ms + 0.1 * i) / 1e3 for i in range(pairs)]
+        return {**meta, "layout": reader, "stored_as": stored, "overhead_samples_s": samples,
+                "identical_to_control": identical}
+
+    return [row(reader, stored, own_ms if reader == stored else converted_ms)
+            for reader in ("LBHNC", "BLHNC") for stored in ("LBHNC", "BLHNC")]
+
+
+def test_the_engine_sharing_table_claims_a_conversion_cost_only_beyond_the_spread():
+    """Notebook 04: each engine's overhead on its own chunks and on the other layout's, with
+    whether each hit was bitwise its control; what converting costs claimed only beyond the spread."""
+    text = str(story.engine_sharing_table(_sharing_rows(10.0, 15.0)))
+    assert "| LBHNC | BLHNC | 10.4 (10.0–10.8) ms | 1 of 1 | 15.4 (15.0–15.8) ms | 1 of 1 | 90.0 ms |" in text
+    assert "A BLHNC engine's hit of LBHNC's chunks takes 5.0 ms more than one of its own" in text
+    close = str(story.engine_sharing_table(_sharing_rows(10.0, 10.0, identical=0)))
+    assert "this run cannot tell a lbhnc engine's hit of blhnc's chunks from one of its own" in close.lower()
+    assert "| 0 of 1 |" in close, "a hit that differs from its control shows"
+    with pytest.raises(ValueError, match="no rows of engines sharing a store"):
+        story.engine_sharing_table([])
+
+
 def test_the_conversions_table_judges_each_pair_by_its_worse_direction():
     """A pair is met only when both directions' best methods reach the target over their
     interquartile range; the cache's own copy stands beside it, and a pair below is missed."""

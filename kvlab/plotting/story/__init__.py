@@ -15,13 +15,13 @@ from kvlab.plotting.story.layouts import extension_takeaways, layout_takeaways
 from kvlab.plotting.story.serving import (concurrency_reading, deployment_takeaways, lease_reading, lengths_reading,
                                           lookups_reading, pace_reading, profile_reading, scale_reading,
                                           strategies_reading)
-from kvlab.plotting.story.tables import conversions_table, layouts_sharing_table, tier_reads_table
+from kvlab.plotting.story.tables import conversions_table, engine_sharing_table, layouts_sharing_table, tier_reads_table
 from kvlab.plotting.story.transfer import break_even_reading, fit_reading, transfer_takeaways
 
 __all__ = [
     "Headline", "Prose", "Takeaways", "prose", "takeaways", "layout_takeaways", "extension_takeaways", "transfer_takeaways",
     "fit_reading", "break_even_reading", "ttft_reading", "floor_flags", "timeline_reading", "registration_reading",
     "layouts_reading", "connector_takeaways", "cross_layer_takeaways", "deployment_takeaways", "strategies_reading", "lease_reading", "scale_reading",
-    "profile_reading", "tier_reads_table", "conversions_table", "layouts_sharing_table", "lengths_reading", "lookups_reading", "pace_reading", "concurrency_reading",
+    "profile_reading", "tier_reads_table", "conversions_table", "layouts_sharing_table", "engine_sharing_table", "lengths_reading", "lookups_reading", "pace_reading", "concurrency_reading",
     "accuracy_takeaways", "engine_differences_reading", "generations_reading", "task_reading", "damages_reading", "connectors_reading",
 ]

@@ -126,6 +126,7 @@ REGIONS: dict[str, Callable[[Path], Any]] = {
     "engine-layouts": lambda results: layouts_reading(results_for("03_engine_layouts", results)),
     "backend-throughput": lambda results: tables.throughput_table(results_for("03_backend_throughput", results)),
     "layouts-sharing": lambda results: tables.layouts_sharing_table(results_for("03_layouts_sharing", results)),
+    "engine-sharing": lambda results: tables.engine_sharing_table(results_for("03_engine_sharing", results)),
     "serve": lambda results: serving.serve_reading(results_for("03_serve", results)),
     "serving": lambda results: tables.serving_table(results_for("03_serving", results)),
     "sharing": lambda results: tables.sharing_table(results_for("03_sharing", results)),

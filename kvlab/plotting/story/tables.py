@@ -170,6 +170,41 @@ def layouts_sharing_table(rows: Any) -> Prose:
     return paragraphs(table, Prose(" ".join(f"{c[0].upper()}{c[1:]}." for c in compared)))
 
 
+def engine_sharing_table(rows: Any) -> Prose:
+    """Notebook 04: engines of two layouts sharing one store, in time to first token
+    (engine_sharing.engines_sharing_a_store): each reader's overhead over its own prefix hit
+    on a chunk stored as it lies and on one the other layout stored, and what converting
+    costs, claimed only beyond the spread."""
+    rows = as_records(rows)
+    by = {(r["layout"], r["stored_as"]): r for r in rows}
+    readers = list(dict.fromkeys(r["layout"] for r in rows))
+    if not readers:
+        raise ValueError("no rows of engines sharing a store (engine_sharing.engines_sharing_a_store)")
+    body, compared = [], []
+    for reader in readers:
+        own = by.get((reader, reader))
+        converted = next((r for (layout, stored), r in by.items() if layout == reader and stored != reader), None)
+        if own is None or converted is None:
+            continue
+        samples = {r["stored_as"]: r["overhead_samples_s"] for r in (own, converted)}
+        body.append([reader, converted["stored_as"],
+                     *(cell for r in (own, converted) for cell in (_ms(spread(samples[r["stored_as"]])),
+                                                                    f"{r['identical_to_control']} of 1")),
+                     _ms(summary(own["floor_s"], own["floor_s"], own["floor_s"], own["samples"]))])
+        compared.append(versus(difference([1e3 * s for s in samples[converted["stored_as"]]],
+                                          [1e3 * s for s in samples[reader]]),
+                               f"a {reader} engine's hit of {converted['stored_as']}'s chunks", "one of its own"))
+    first = rows[0]
+    table = captioned(f"Two engines sharing one {first['tier']} folder: each reads a {first['cached_tokens']:,}-token "
+                      f"prefix ({first['kv_bytes'] / 1e6:,.1f} MB) an engine of its own layout stored and one the other "
+                      f"layout stored, converted as it loads; the time to first token over the same engine's own prefix "
+                      f"hit right after it, median (min–max) over {first['samples']} pairs, its outputs against the "
+                      f"writer's own prefix hit (the same split: bitwise)",
+                      ["engine", "the other layout", "its own: overhead", "its own: bitwise", "converted: overhead",
+                       "converted: bitwise", "the engine's prefix hit"], body, rows)
+    return paragraphs(table, Prose(" ".join(f"{c[0].upper()}{c[1:]}." for c in compared)))
+
+
 PAGE_BYTES = 4096  # a run this long or longer moves whole pages (one head's tokens of a block)
 
 
