@@ -7,6 +7,7 @@ outputs: every child gets ``pinned_env()``."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -60,14 +61,45 @@ def environment(variables: dict[str, str] | None) -> Iterator[None]:
 
 def run_child(module: str, job: dict, what: str, timeout: float, env: dict[str, str] | None = None) -> dict:
     """Run ``python -m module job.json out.json`` with the pinned environment (plus
-    ``env``) and return the JSON it wrote; a failure quotes the end of its output."""
+    ``env``) and return the JSON it wrote; a failure quotes the end of its output. Forked
+    from this process's fork server where it can be (kvlab.runtime.forkserver), else started
+    plainly: the same job either way."""
+    base = {**os.environ, **pinned_env()}
+    full = {**base, **(env or {})}
     with tempfile.TemporaryDirectory() as tmp:
-        job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "out.json"
+        job_path, out_path, log = Path(tmp) / "job.json", Path(tmp) / "out.json", Path(tmp) / "output.log"
         job_path.write_text(json.dumps(job))
-        proc = subprocess.run([sys.executable, "-m", module, str(job_path), str(out_path)],
-                              env={**os.environ, **pinned_env(), **(env or {})}, capture_output=True, text=True,
-                              timeout=timeout)
-        if proc.returncode != 0 or not out_path.exists():
-            tail = "\n".join((proc.stderr or proc.stdout).splitlines()[-25:])
-            raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{tail}")
+        args = [str(job_path), str(out_path)]
+        server = _fork_server(base)
+        code = server.run(module, args, full, log, timeout) if server is not None else None
+        if code is None:
+            proc = subprocess.run([sys.executable, "-m", module, *args], env=full, capture_output=True, text=True,
+                                  timeout=timeout)
+            code, output = proc.returncode, proc.stderr or proc.stdout
+        else:
+            output = log.read_text(errors="replace")
+        if code != 0 or not out_path.exists():
+            tail = "\n".join(output.splitlines()[-25:])
+            raise RuntimeError(f"{what} failed (exit {code}):\n{tail}")
         return json.loads(out_path.read_text())
+
+
+_servers: list = []  # this process's fork server, started at its first child job
+
+
+def _fork_server(base: dict[str, str]):  # noqa: ANN202 - a ForkServer or None
+    """This process's fork server for jobs of environment ``base`` (a new one when the
+    environment changed); None where forking is off (KVLAB_FORK_SERVER=0) or fails to start."""
+    if os.environ.get("KVLAB_FORK_SERVER", "1") == "0":
+        return None
+    from kvlab.runtime.forkserver import ForkServer
+
+    if _servers and not _servers[0].accepts(base):
+        _servers.pop().close()
+    if not _servers:
+        try:
+            _servers.append(ForkServer(base))
+        except OSError:
+            return None
+        atexit.register(_servers[0].close)
+    return _servers[0]

@@ -81,42 +81,36 @@ def test_vllms_default_processes_serve_repeats_and_other_engines_hit(smollm2, pr
     assert waited["warm-mooncake-down"] <= 2 * max(waited["cold"], waited["warm-redis-down"]), waited
 
 
-def test_tensor_parallel_ranks_store_their_shards_and_a_failed_load_is_recomputed() -> None:
-    """TP=2 on this CPU (one core per rank), the tiny Llama (2 kv heads: one per rank).
-    Each rank loads its own shard. Then every rank's stored chunks are zeroed and the
-    chunks checked on every read: the loads fail their checks, vLLM recomputes those
-    blocks (kv_load_failure_policy "recompute") and the tokens are the cold run's."""
+def test_tensor_parallel_sizes_share_one_disk_folder_and_a_failed_load_is_recomputed(tmp_path: Path) -> None:
+    """TP=2 on this CPU (one core per rank), the tiny Llama (2 kv heads: one per rank; SmolLM2-135M's
+    3 split over no 2 ranks). A TP=2 engine's ranks each store and load their own shard, bitwise
+    vLLM's own prefix hit; then every rank's chunks in memory are zeroed and checked on every
+    read: the loads fail their checks, vLLM recomputes those blocks (kv_load_failure_policy
+    "recompute") and the tokens are the cold run's. A TP=1 and a TP=2 engine then read each
+    other's disk folders: each rank of a TP=2 engine loads its head out of what TP=1 stored, and
+    a TP=1 engine gathers both ranks' shards of what TP=2 stored; every loadable block, no load
+    error. TP changes the order of reductions, so not bitwise: the tokens are each size's own,
+    and every chosen-token logprob is within the gap vLLM itself shows between TP=1 and TP=2 on
+    these prompts (neither hit), plus the split drift of a hit's suffix-only prefill
+    (kvlab.harness.compare.SPLIT_DRIFT)."""
     model = str(model_path(prepared(TINY_LLAMA)))
     prompts = [list(range(5, 205)), list(range(300, 470))]
-    spec = EngineSpec(model, "kvlab", {"verify": "always"}, dtype="float32", max_tokens=8, prefix_caching=True,
-                      tensor_parallel_size=2, phases=(*CONTROLLED, "warm-zeroed"))
-    result = run_engine(spec, prompts)
-    assert hits(result, "warm") == hits(result, "control") == loadable(prompts)
-    assert bitwise(result, result, "control", "warm") and within_split_drift(result, result, "cold", "warm")
-    ranks = [r["default"] for r in result["ranks"]]
+
+    def engine(workers: int, folder: str, **options) -> dict:
+        extra = {"tiers": ["memory", "disk"], "disk": {"path": str(tmp_path / folder)}, **options.pop("extra", {})}
+        return run_engine(EngineSpec(model, "kvlab", extra, dtype="float32", max_tokens=8,
+                                     tensor_parallel_size=workers, **{"phases": ("cold",), **options}), prompts)
+
+    own = engine(2, "by-tp2", extra={"verify": "always"}, prefix_caching=True, phases=(*CONTROLLED, "warm-zeroed"))
+    assert hits(own, "warm") == hits(own, "control") == loadable(prompts)
+    assert bitwise(own, own, "control", "warm") and within_split_drift(own, own, "cold", "warm")
+    ranks = [r["default"] for r in own["ranks"]]
     assert len(ranks) == 2 and all(r["loaded_blocks"] >= sum(loadable(prompts)) // 32 for r in ranks)
     assert all(r["load_errors"] > 0 and r["store"]["corrupt"] > 0 for r in ranks), "zeroed chunks failed the check"
     # every block failed, so vLLM recomputed each prompt whole: the cold run's split, bitwise
-    assert bitwise(result, result, "cold", "warm-zeroed"), "recomputed, not loaded"
+    assert bitwise(own, own, "cold", "warm-zeroed"), "recomputed, not loaded"
 
-
-def test_engines_of_two_tensor_parallel_sizes_share_one_disk_folder(tmp_path: Path) -> None:
-    """A TP=1 and a TP=2 engine of one model share a disk folder both ways (the tiny Llama's
-    2 kv heads: SmolLM2-135M's 3 split over no 2 ranks): each rank of a TP=2 engine loads its
-    head out of what TP=1 stored, and a TP=1 engine gathers both ranks' shards of what TP=2
-    stored; every loadable block, no load error. TP changes the order of reductions, so not
-    bitwise: the tokens are each size's own, and every chosen-token logprob is within the gap
-    vLLM itself shows between TP=1 and TP=2 on these prompts (neither hit), plus the split
-    drift of a hit's suffix-only prefill (kvlab.harness.compare.SPLIT_DRIFT)."""
-    model = str(model_path(prepared(TINY_LLAMA)))
-    prompts = [list(range(5, 205)), list(range(300, 470))]
-
-    def engine(workers: int, folder: str) -> dict:
-        extra = {"tiers": ["memory", "disk"], "disk": {"path": str(tmp_path / folder)}}
-        return run_engine(EngineSpec(model, "kvlab", extra, dtype="float32", max_tokens=8,
-                                     tensor_parallel_size=workers, phases=("cold",)), prompts)
-
-    alone = {1: engine(1, "by-tp1"), 2: engine(2, "by-tp2")}  # first sight: nothing to hit
+    alone = {1: engine(1, "by-tp1"), 2: own}  # first sight: nothing to hit
     shared = {2: engine(2, "by-tp1"), 1: engine(1, "by-tp2")}  # each reads the other size's folder
     assert hits(alone[1], "cold") == hits(alone[2], "cold") == [0, 0]
     gap = same_outputs(alone[1], alone[2], "cold", "cold")["max_logprob_diff"]
