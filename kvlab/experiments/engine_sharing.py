@@ -44,7 +44,8 @@ def engines_sharing_a_store(model: str, prompts: list[list[int]], dtype: str = "
         extra = {"tiers": ["shm"], "shm": {"path": str(folder)}, "enable_cross_layers_blocks": layout == "BLHNC"}
         return EngineSpec(**common, extra=extra, phases=phases)
 
-    plans = [("writer", layout, spec(layout, ("cold", "control")), [prompt]) for layout, prompt in zip(LAYOUTS, prompts)]
+    plans = [("writer", layout, spec(layout, ("cold", "control")), [prompt])
+             for layout, prompt in zip(LAYOUTS, prompts)]
     plans += [("reader", layout, spec(layout, ("warm", "floor") * (repeats + 1)), prompts) for layout in LAYOUTS]
     try:
         results = {(role, layout): run_engine(engine, given)

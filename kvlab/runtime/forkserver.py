@@ -3,12 +3,13 @@ then starts without the seconds its imports take (about 8 s of a 19 s engine sta
 2-core EPYC). The server runs with the pinned environment (kvlab.runtime.processes); a job
 whose environment differs from it in anything but vLLM's own variables, which vLLM reads
 when it uses them, runs as a plain ``python -m`` instead, as does every job where forking is
-off (``KVLAB_FORK_SERVER=0``) or the server cannot start. Imported here: nothing runs torch
-work before a fork, so no thread pool is copied half-made."""
+off (``KVLAB_FORK_SERVER=0``) or the server cannot start. The server only imports: it runs
+no torch work before a fork, so no thread pool is copied half-made."""
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import runpy
@@ -31,8 +32,9 @@ class ForkServer:
     def __init__(self, env: dict[str, str], preload: tuple[str, ...] | None = None) -> None:
         self.env, self.cwd = dict(env), os.getcwd()
         self.lock = threading.Lock()
-        self.process = subprocess.Popen([sys.executable, "-m", __name__, *(preload or PRELOADED)], env=self.env, stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.process = subprocess.Popen([sys.executable, "-m", __name__, *(preload or PRELOADED)], env=self.env,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                        text=True)
         if self.process.stdout.readline().strip() != "ready":
             self.close()
             raise OSError("kvlab's fork server did not start")
@@ -40,27 +42,32 @@ class ForkServer:
     def accepts(self, env: dict[str, str]) -> bool:
         """Whether a job with environment ``env``, started from this folder, may be forked
         from this server."""
-        names = set(env) | set(self.env)
-        return self.process.poll() is None and os.getcwd() == self.cwd and all(env.get(n) == self.env.get(n) for n in names
-                                                   if not n.startswith(LAZY_PREFIX) and n not in VOLATILE)
+        if self.process.poll() is not None or os.getcwd() != self.cwd:
+            return False
+        return all(env.get(name) == self.env.get(name) for name in set(env) | set(self.env)
+                   if not name.startswith(LAZY_PREFIX) and name not in VOLATILE)
 
     def run(self, module: str, args: list[str], env: dict[str, str], log: Path, timeout: float) -> int | None:
         """``python -m module args`` forked from the server, with ``env``, its output in
-        ``log``; its exit code (killed with its processes after ``timeout`` s:
-        subprocess.TimeoutExpired, as subprocess.run raises)."""
+        ``log``; its exit code (killed after ``timeout`` s: subprocess.TimeoutExpired, as
+        subprocess.run raises). None where it cannot be forked: the caller starts it plainly."""
         if not self.accepts(env) or not self.lock.acquire(blocking=False):
             return None
         try:
             request = {"module": module, "args": args, "env": env, "log": str(log)}
             self.process.stdin.write(json.dumps(request) + "\n")
             self.process.stdin.flush()
-            pid = int(self.process.stdout.readline())
+            forked = self.process.stdout.readline()
+            if not forked.strip():  # the server is gone: nothing was started
+                return None
+            pid = int(forked)
             answer: list[str] = []
             reader = threading.Thread(target=lambda: answer.append(self.process.stdout.readline()), daemon=True)
             reader.start()
             reader.join(timeout)
-            if reader.is_alive():
-                _kill_group(pid)
+            if reader.is_alive():  # killed as subprocess.run kills a child past its time
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
                 reader.join()
                 raise subprocess.TimeoutExpired(f"python -m {module}", timeout)
             if not answer or not answer[0].strip():
@@ -73,13 +80,6 @@ class ForkServer:
         if self.process.poll() is None:
             self.process.stdin.close()
             self.process.wait(timeout=30)
-
-
-def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def _serve(preload: list[str]) -> None:
@@ -99,11 +99,11 @@ def _serve(preload: list[str]) -> None:
 
 
 def _child(request: dict) -> None:
-    """In the forked child: its own process group, environment and output, then the module
-    as ``python -m`` runs it; never returns."""
+    """In the forked child: its own environment and output, then the module as ``python -m``
+    runs it; never returns. It stays in the server's process group, as a plain child stays in
+    its parent's: what stops the group (JupyterLab stopping a kernel) stops it too."""
     code = 1
     try:
-        os.setpgid(0, 0)
         os.environ.clear()
         os.environ.update(request["env"])
         out = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

@@ -52,7 +52,8 @@ def test_a_failed_job_gives_its_exit_code_and_a_slow_one_is_killed(server, tmp_p
     assert "probe ran" in log.read_text()
     del server.env["PROBE_FAIL"]
     with pytest.raises(subprocess.TimeoutExpired):
-        server.run("kvlab_probe", ["job", str(tmp_path / "slow.json")], {**server.env, "VLLM_PROBE_SLEEP": "30"}, log, 1)
+        server.run("kvlab_probe", ["job", str(tmp_path / "slow.json")], {**server.env, "VLLM_PROBE_SLEEP": "30"}, log,
+                   timeout=1)
     assert not (tmp_path / "slow.json").exists(), "killed, not waited for"
     assert server.run("kvlab_probe", ["job", str(tmp_path / "out.json")], server.env, log, 60) == 0, "serves on"
 

@@ -195,11 +195,11 @@ def engine_sharing_table(rows: Any) -> Prose:
                                           [1e3 * s for s in samples[reader]]),
                                f"a {reader} engine's hit of {converted['stored_as']}'s chunks", "one of its own"))
     first = rows[0]
-    table = captioned(f"Two engines sharing one {first['tier']} folder: each reads a {first['cached_tokens']:,}-token "
-                      f"prefix ({first['kv_bytes'] / 1e6:,.1f} MB) an engine of its own layout stored and one the other "
-                      f"layout stored, converted as it loads; the time to first token over the same engine's own prefix "
-                      f"hit right after it, median (min–max) over {first['samples']} pairs, its outputs against the "
-                      f"writer's own prefix hit (the same split: bitwise)",
+    table = captioned(f"Two engines sharing one {first['tier']} folder: each reads a {first['cached_tokens']:,}-token"
+                      f" prefix ({first['kv_bytes'] / 1e6:,.1f} MB) an engine of its own layout stored and one the"
+                      f" other layout stored, converted as it loads; the time to first token over the same engine's"
+                      f" own prefix hit right after it, median (min–max) over {first['samples']} pairs, its outputs"
+                      f" against the writer's own prefix hit (the same split: bitwise)",
                       ["engine", "the other layout", "its own: overhead", "its own: bitwise", "converted: overhead",
                        "converted: bitwise", "the engine's prefix hit"], body, rows)
     return paragraphs(table, Prose(" ".join(f"{c[0].upper()}{c[1:]}." for c in compared)))
