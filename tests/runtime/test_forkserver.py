@@ -75,3 +75,13 @@ def test_run_child_gives_the_same_result_forked_or_not(tmp_path, monkeypatch):
     monkeypatch.setenv("PROBE_FAIL", "1")
     with pytest.raises(RuntimeError, match=r"the probe failed \(exit 3\):\nprobe ran"):
         processes.run_child("kvlab_probe", {}, "the probe", 60)
+
+
+def test_a_process_forked_from_the_owner_does_not_share_its_server(server):
+    """Jobs of a process forked from the server's owner would interleave on its pipes: the
+    server is not its child, so to it the server is gone."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if not server.accepts(server.env) else 1)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    assert server.accepts(server.env)
