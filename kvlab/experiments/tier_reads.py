@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import shutil
 import statistics
 from pathlib import Path
@@ -22,7 +23,7 @@ from kvlab.experiments.scaling import stream_copy_samples
 from kvlab.experiments.timing import repeated
 from kvlab.runtime.progress import progress
 from kvlab.store import KVStore
-from kvlab.store.chunk import FILE_SUFFIX, Chunk, Placement, checksum
+from kvlab.store.chunk import FILE_SUFFIX, Chunk, Placement, checksum, parse_header, payload_runs
 from kvlab.transfer import file_reads
 from kvlab.transfer.engine import Transfer, run_all
 
@@ -30,6 +31,7 @@ CHUNK_TOKENS = 256  # the connector's default chunk
 FILE_TIERS = ("shm", "disk")
 STREAM = "STREAM copy of the bytes"
 ONE_THREAD_STREAM = "STREAM copy of the bytes, one thread"
+RUNS_ALONE = "the kernel's read into the cache's runs"  # as a read straight into the cache makes them, unchecked
 
 
 def tier_read_profile(geometry: ModelGeometry, workdir: str | Path, tokens: int = 2048, repeats: int = 15,
@@ -38,8 +40,9 @@ def tier_read_profile(geometry: ModelGeometry, workdir: str | Path, tokens: int 
     thread (the connector reads two chunks at once), part by part: each file tier's header
     reads, its buffered read (open, read or map, checksum) and the copy of those buffers into
     the cache, its read straight into the cache (open, read, checksum as the bytes arrive),
-    and the kernel's read of the same files into memory already in place, nothing checked
-    (what the medium costs); the memory tier's copy; the checksum of the bytes in memory; the STREAM copy of
+    the same reads into the cache's runs with nothing checked (what the runs cost), and the
+    kernel's read of the same files into memory already in place, nothing checked (what the
+    medium costs); the memory tier's copy; the checksum of the bytes in memory; the STREAM copy of
     them on one thread and on the machine's threads. One row per (tier, path, part): the median milliseconds and every sample.
     ``workdir`` holds the disk tier's folder, ``shm_root`` the shm tier's."""
     if tokens < CHUNK_TOKENS or tokens % geometry.block_size or repeats < 1:
@@ -88,9 +91,10 @@ def tier_read_profile(geometry: ModelGeometry, workdir: str | Path, tokens: int 
                     if source.read_into(key, Placement(cache, list(range(len(ids))), ids), lambda header: True) is None:
                         raise RuntimeError(f"the {tier} tier did not read a chunk it holds into the cache")
 
+            files = [root / f"{key}{FILE_SUFFIX}" for key in keys]
             if source.can_read_into(cache):
                 timed((tier, "into the cache", "read and checksum"), read_into)
-            files = [root / f"{key}{FILE_SUFFIX}" for key in keys]
+                timed((tier, RUNS_ALONE, "in all"), _reads_into_runs(files, keys, targets, cache))
             resident = torch.ones(max(f.stat().st_size for f in files), dtype=torch.uint8)  # its pages in place
             timed((tier, "the kernel's read alone", "in all"), lambda: [_read_whole(f, resident) for f in files])
             shutil.rmtree(root, ignore_errors=True)
@@ -118,6 +122,26 @@ def _chunk(cache, block_ids: list[int], name: str) -> Chunk:  # noqa: ANN001 - a
     Transfer(cache, block_ids, buffer).run()
     keys = [hashlib.blake2b(f"{name}-{b}".encode(), digest_size=16).hexdigest() for b in block_ids]
     return Chunk(keys, buffer, "tier-read-profile").seal()
+
+
+def _reads_into_runs(files: list[Path], keys: list[str], targets: list[list[int]], cache) -> Callable[[], None]:  # noqa: ANN001
+    """The kernel's reads of the chunk files into the cache's runs, as a read straight into
+    the cache makes them (:func:`kvlab.store.chunk.payload_runs`), nothing checked."""
+    plans = []
+    for path, key, ids in zip(files, keys, targets):
+        with path.open("rb", buffering=0) as f:
+            header = parse_header(f, key, path.stat().st_size)
+        plans.append((path, header.payload_start, *payload_runs(header, Placement(cache, list(range(len(ids))), ids))))
+
+    def read() -> None:
+        for path, start, addresses, lengths, scratch in plans:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                file_reads.read_runs(fd, start, addresses, lengths, scratch, checked=False)
+            finally:
+                os.close(fd)
+
+    return read
 
 
 def _read_whole(path: Path, into: torch.Tensor) -> None:

@@ -273,6 +273,13 @@ def read_payload(fd: int, header: Header, into: Placement) -> int:
     positions not loaded go to a scratch buffer of this thread, only to be summed). What the
     cache blocks hold is the chunk's only when the CRC is the header's. OSError when the file
     cannot be read; needs :func:`kvlab.transfer.file_reads.unavailable` to be None."""
+    return file_reads.read_runs(fd, header.payload_start, *payload_runs(header, into))
+
+
+def payload_runs(header: Header, into: Placement) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Where :func:`read_payload` puts a checked header's payload, in file order: each run's
+    address and length, and the address of this thread's scratch buffer, where the bytes of
+    positions not loaded go (only to be summed)."""
     plan = _file_runs(header.layout, header.geometry, len(header.block_keys), tuple(into.positions),
                       into.cache.layout.name, into.cache.num_blocks, header.payload_bytes)
     bases = torch.tensor([t.data_ptr() for t in into.cache.storage], dtype=torch.int64)
@@ -280,7 +287,7 @@ def read_payload(fd: int, header: Header, into: Placement) -> int:
     scratch = _scratch_of(plan.scratch_bytes)
     addresses = torch.full_like(plan.lengths, scratch)
     addresses[plan.is_run] = bases[plan.dst_tensor] + plan.dst_offset + block_ids[plan.position] * plan.dst_step
-    return file_reads.read_runs(fd, header.payload_start, addresses, plan.lengths, scratch)
+    return addresses, plan.lengths, scratch
 
 
 @dataclass(frozen=True)

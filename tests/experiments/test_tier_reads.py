@@ -7,7 +7,7 @@ import torch
 
 from kvlab.cache import ModelGeometry
 from kvlab.experiments import tier_reads
-from kvlab.experiments.tier_reads import ONE_THREAD_STREAM, tier_read_profile
+from kvlab.experiments.tier_reads import ONE_THREAD_STREAM, RUNS_ALONE, tier_read_profile
 from kvlab.store.tiers.disk import DiskTier
 from kvlab.transfer import file_reads
 
@@ -32,6 +32,7 @@ def test_every_part_of_each_tier_is_timed_and_the_buffered_total_adds_up(tmp_pat
         read, copy = (parts[(tier, "buffered", p)]["samples_ms"] for p in ("read and checksum", "copy into the cache"))
         assert whole == pytest.approx([a + b for a, b in zip(read, copy)])
         assert ((tier, "into the cache", "read and checksum") in parts) == (file_reads.unavailable() is None)
+        assert ((tier, RUNS_ALONE, "in all") in parts) == (file_reads.unavailable() is None)
     assert {("memory", "reference", "STREAM copy of the bytes"), ("memory", "reference", ONE_THREAD_STREAM),
             ("memory", "buffered", "copy into the cache"), ("shm", "the kernel's read alone", "in all")} <= set(parts)
     assert all(r["ms"] > 0 and len(r["samples_ms"]) == 2 and r["chunks"] == 2 for r in rows)

@@ -90,6 +90,22 @@ def test_a_read_puts_the_bytes_where_the_buffered_load_does(tmp_path: Path, layo
 
 
 @checked_reads
+def test_the_runs_read_unchecked_land_as_a_checked_read_s_and_sum_nothing(tmp_path: Path) -> None:
+    """What a profile times as the reads alone (payload_runs, read_runs unchecked) puts the
+    same bytes where read_payload does; it gives no CRC, so nothing can take it as checked."""
+    from kvlab.store.chunk import payload_runs
+
+    chunk, header, path = stored_file(tmp_path, "CPU_LBHNC")
+    caches = [allocate("CPU_LBHNC", chunk.buffer.geometry, 10) for _ in range(2)]
+    placements = [Placement(cache, [3, 0, 4], [9, 1, 5]) for cache in caches]
+    with path.open("rb") as f:
+        assert read_payload(f.fileno(), header, placements[0]) == chunk.crc
+        assert file_reads.read_runs(f.fileno(), header.payload_start, *payload_runs(header, placements[1]),
+                                    checked=False) is None
+    assert same_storage(*caches)
+
+
+@checked_reads
 @pytest.mark.parametrize("tier", ["disk", "shm"])
 def test_a_store_delivers_into_the_cache_and_a_damaged_file_falls_through(tmp_path: Path, tier: str) -> None:
     """The named tier reads into the cache; a flipped byte in its file fails the CRC, the
