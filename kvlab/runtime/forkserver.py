@@ -25,6 +25,13 @@ LAZY_PREFIX = "VLLM_"  # vllm.envs reads these at each use, so a forked child ma
 VOLATILE = {"PYTEST_CURRENT_TEST"}  # pytest's name of the running test: changes with each, read by nothing imported
 
 
+def same_imports(a: dict[str, str], b: dict[str, str]) -> bool:
+    """Whether two environments agree in everything an import may read: all but vLLM's own
+    variables and pytest's name of the running test."""
+    return all(a.get(name) == b.get(name) for name in set(a) | set(b)
+               if not name.startswith(LAZY_PREFIX) and name not in VOLATILE)
+
+
 class ForkServer:
     """One server process, the jobs sent to it one at a time; :meth:`run` returns the
     job's exit code, or None when this job cannot be forked (the caller runs it plainly)."""
@@ -42,10 +49,7 @@ class ForkServer:
     def accepts(self, env: dict[str, str]) -> bool:
         """Whether a job with environment ``env``, started from this folder, may be forked
         from this server."""
-        if self.process.poll() is not None or os.getcwd() != self.cwd:
-            return False
-        return all(env.get(name) == self.env.get(name) for name in set(env) | set(self.env)
-                   if not name.startswith(LAZY_PREFIX) and name not in VOLATILE)
+        return self.process.poll() is None and os.getcwd() == self.cwd and same_imports(env, self.env)
 
     def run(self, module: str, args: list[str], env: dict[str, str], log: Path, timeout: float) -> int | None:
         """``python -m module args`` forked from the server, with ``env``, its output in

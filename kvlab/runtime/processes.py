@@ -17,6 +17,8 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from kvlab.runtime.forkserver import ForkServer, same_imports
+
 # Same threads for every engine compared (see the module docstring).
 PINNED_ENV = {
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
@@ -70,7 +72,7 @@ def run_child(module: str, job: dict, what: str, timeout: float, env: dict[str, 
         job_path, out_path, log = Path(tmp) / "job.json", Path(tmp) / "out.json", Path(tmp) / "output.log"
         job_path.write_text(json.dumps(job))
         args = [str(job_path), str(out_path)]
-        server = _fork_server(base)
+        server = _fork_server(base) if same_imports(base, full) else None  # no server for a job it cannot fork
         code = server.run(module, args, full, log, timeout) if server is not None else None
         if code is None:
             proc = subprocess.run([sys.executable, "-m", module, *args], env=full, capture_output=True, text=True,
@@ -84,16 +86,14 @@ def run_child(module: str, job: dict, what: str, timeout: float, env: dict[str, 
         return json.loads(out_path.read_text())
 
 
-_servers: list = []  # this process's fork server, started at its first child job
+_servers: list[ForkServer] = []  # this process's fork server, started at its first job it can fork
 
 
-def _fork_server(base: dict[str, str]):  # noqa: ANN202 - a ForkServer or None
+def _fork_server(base: dict[str, str]) -> ForkServer | None:
     """This process's fork server for jobs of environment ``base`` (a new one when the
     environment changed); None where forking is off (KVLAB_FORK_SERVER=0) or fails to start."""
     if os.environ.get("KVLAB_FORK_SERVER", "1") == "0":
         return None
-    from kvlab.runtime.forkserver import ForkServer
-
     if _servers and not _servers[0].accepts(base):
         _servers.pop().close()
     if not _servers:
