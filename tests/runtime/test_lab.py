@@ -233,7 +233,14 @@ def test_a_named_notebook_opens_alone(tmp_path):
         page.goto(lab.lab_url("wanted.ipynb"))
         wait_until_open(page, "wanted.ipynb")
         assert page.locator(TABS).all_text_contents() == ["wanted.ipynb"]
-        assert [s["path"] for s in api(lab.url, lab.token, "GET", "/api/sessions")] == ["wanted.ipynb"]
+        sessions = []
+        for _ in range(UPDATE_TIMEOUT_MS // 500):  # the tab shows before its kernel's session is made
+            sessions = [s["path"] for s in api(lab.url, lab.token, "GET", "/api/sessions")]
+            if sessions:
+                break
+            page.wait_for_timeout(500)
+        page.wait_for_timeout(1000)  # and a second notebook's session, had one opened, would come as soon
+        assert [s["path"] for s in api(lab.url, lab.token, "GET", "/api/sessions")] == ["wanted.ipynb"], sessions
 
 
 # whether the page's workspace (in its URL, else JupyterLab's default) was saved with the notebook open
