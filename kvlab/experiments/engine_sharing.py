@@ -11,7 +11,7 @@ import statistics
 import uuid
 from pathlib import Path
 
-from kvlab.harness.compare import same_outputs
+from kvlab.harness.compare import one_prompt, same_outputs
 from kvlab.harness.engine import EngineSpec, check_inputs, run_engine
 from kvlab.runtime.models import geometry_of
 from kvlab.runtime.progress import progress
@@ -57,8 +57,8 @@ def engines_sharing_a_store(model: str, prompts: list[list[int]], dtype: str = "
     for reader in LAYOUTS:
         result = results["reader", reader]
         for index, stored_as in enumerate(LAYOUTS):
-            mine = {"phases": {phase: [{**r, "prompt": 0} for r in runs if r["prompt"] == index][1:]
-                               for phase, runs in result["phases"].items()}}  # its first pair warmed up
+            mine = one_prompt(result, prompt=index)
+            mine = {"phases": {phase: runs[1:] for phase, runs in mine["phases"].items()}}  # its first pair warmed up
             warm = [r["seconds"] for r in mine["phases"]["warm"]]
             floor = [r["seconds"] for r in mine["phases"]["floor"]]
             paired = [w - f for w, f in zip(warm, floor)]

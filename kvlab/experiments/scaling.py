@@ -21,7 +21,7 @@ import torch
 
 from kvlab.cache.devices import last_level_cache_bytes
 from kvlab.experiments.sweep import ceiling_copy
-from kvlab.harness.compare import same_outputs
+from kvlab.harness.compare import one_prompt, same_outputs
 from kvlab.harness.engine import EngineSpec, check_inputs, run_engine
 from kvlab.runtime.progress import progress
 
@@ -79,8 +79,7 @@ def costs_by_length(model: str, prompts: list[list[int]], workdir: str | Path, r
             continue
         for length in sorted({len(p) for p in prompts}):
             # one prompt per length: numbered 0 here, whichever prompts an engine was given
-            mine = {"phases": {phase: [{**r, "prompt": 0} for r in runs if r["prompt_tokens"] == length]
-                               for phase, runs in result["phases"].items()}}
+            mine = one_prompt(result, prompt_tokens=length)
             label = {"path": name, "prompt_tokens": length, "model": Path(model).name, "dtype": dtype}
             if not mine["phases"]["warm"]:
                 rows.append({**label, "overhead_s": None, "kv_bytes": 0,
@@ -92,8 +91,7 @@ def costs_by_length(model: str, prompts: list[list[int]], workdir: str | Path, r
             cached = statistics.median(r["cached_tokens"] for r in mine["phases"]["warm"])
             # the same-split control: vLLM's own prefix hit on the cold run's KV (bitwise), and
             # the cold run, which splits the prefill otherwise (within SPLIT_DRIFT)
-            reference = {"phases": {phase: [{**r, "prompt": 0} for r in results["vLLM prefix cache"]["phases"][phase]
-                                            if r["prompt_tokens"] == length] for phase in ("cold", "floor")}}
+            reference = one_prompt(results["vLLM prefix cache"], ("cold", "floor"), prompt_tokens=length)
             control = same_outputs(reference, mine, "floor", "warm")
             paired = [w - f for w, f in zip(warm, floor)]
             rows.append({**label, "warm_s": statistics.median(warm), "floor_s": statistics.median(floor),

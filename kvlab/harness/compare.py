@@ -9,6 +9,15 @@ from typing import Any, Sequence
 from kvlab.harness.spread import SAMPLES_KEY
 
 
+def one_prompt(result: dict, phases: Sequence[str] | None = None, **match: Any) -> dict:
+    """The rows of ``result`` (of ``phases``, all by default) whose fields hold ``match``
+    (``prompt_tokens=2048``, ``prompt=1``), each numbered prompt 0: one prompt's runs of an
+    engine given several, to time on their own and to hold against another engine's run of
+    that prompt with :func:`same_outputs`."""
+    return {"phases": {phase: [{**r, "prompt": 0} for r in runs if all(r[k] == v for k, v in match.items())]
+                       for phase, runs in result["phases"].items() if phases is None or phase in phases}}
+
+
 def summarize(name: str, result: dict, phase: str, **labels: Any) -> dict:
     """One table row: median, min and max first-token time of a phase over its prompts
     (and repeats), and every sample (``samples_s``, to the microsecond), so that a reading

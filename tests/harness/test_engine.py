@@ -3,7 +3,7 @@
 
 import pytest
 
-from kvlab.harness.compare import SPLIT_DRIFT, first_difference, gap_through_divergence, same_outputs
+from kvlab.harness.compare import SPLIT_DRIFT, first_difference, gap_through_divergence, one_prompt, same_outputs
 from kvlab.harness.engine import EngineSpec, _schedule, run_engine
 
 
@@ -43,6 +43,21 @@ def test_a_flipped_near_tie_is_within_the_drift_and_damaged_kv_is_not() -> None:
     assert gap == pytest.approx(2e-5) and gap <= SPLIT_DRIFT
     assert gap_through_divergence(damaged["phases"]["cold"][0], cold["phases"]["cold"][0]) == pytest.approx(0.4931)
     assert same_outputs(cold, damaged, "cold", "cold")["max_gap_through_divergence"] > SPLIT_DRIFT
+
+
+def test_one_prompt_of_several_is_held_against_another_engine_s_run_of_it() -> None:
+    """An engine given prompts A and B, the other given B alone: B's rows, numbered prompt 0,
+    compare with the other's, and only the phases asked for are kept."""
+    def row(prompt, tokens):
+        return {"prompt": prompt, "prompt_tokens": 64, "token_ids": tokens, "logprobs": [-0.5] * len(tokens)}
+
+    both = {"phases": {"warm": [row(0, [1, 2]), row(1, [3, 4])], "floor": [row(0, [1, 2]), row(1, [3, 4])]}}
+    alone = {"phases": {"control": [row(0, [3, 4])]}}
+    b = one_prompt(both, prompt=1)
+    assert b == {"phases": {"warm": [row(0, [3, 4])], "floor": [row(0, [3, 4])]}}
+    assert same_outputs(alone, b, "control", "warm")["identical"] == 1
+    assert same_outputs(alone, one_prompt(both, prompt=0), "control", "warm")["identical"] == 0
+    assert set(one_prompt(both, ("floor",))["phases"]) == {"floor"}
 
 
 def test_weight_loads_run_after_the_other_phases_in_their_order() -> None:
